@@ -1,0 +1,138 @@
+"""The clipped policy objective and its aggregations (pure torch).
+
+Shapes: ``N`` sequences (one per turn sample), ``T`` token positions; ``mask`` is True on
+the generated action tokens that carry loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+@dataclass(frozen=True)
+class PolicyLossStats:
+    """Detached diagnostics of one policy-loss call (scalars)."""
+
+    pg_loss: Tensor
+    """The clipped policy-gradient term, before the KL penalty."""
+    kl_loss: Tensor
+    """The KL penalty term (0 when no reference is given)."""
+    clip_frac: Tensor
+    """Fraction of tokens whose clipped branch was the active one."""
+    approx_kl: Tensor
+    """``0.5 * mean((log pi - log pi_old)^2)``, the behaviour-to-current drift."""
+    ratio_mean: Tensor
+    ratio_max: Tensor
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | None = None) -> Tensor:
+    """Reduce ``[N,T]`` per-token values to a scalar over ``mask``.
+
+    ``token-mean``: sum over all tokens / number of tokens (long turns weigh more), or / ``normalizer``
+    when given: gradient accumulation passes the mini-batch's token count so that micro-batches
+    add up to the mini-batch mean.
+    ``seq-mean-token-mean``: mean over sequences of each sequence's token mean (each turn weighs
+    the same); with ``normalizer`` the sequence sum is divided by it instead (the mini-batch's
+    sequence count).
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    m = mask.to(values.dtype)
+    if mode == "token-mean":
+        denom = m.sum().clamp_min(1.0) if normalizer is None else normalizer
+        return (values * m).sum() / denom
+    per_seq_count = m.sum(dim=-1)
+    per_seq = (values * m).sum(dim=-1) / per_seq_count.clamp_min(1.0)
+    has_tokens = (per_seq_count > 0).to(values.dtype)
+    denom = has_tokens.sum().clamp_min(1.0) if normalizer is None else normalizer
+    return (per_seq * has_tokens).sum() / denom
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(r) - r - 1`` with ``r = ref - logp``; always >= 0."""
+    r = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
+    return torch.exp(r) - r - 1.0
+
+
+def clipped_policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.24,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> tuple[Tensor, PolicyLossStats]:
+    """PPO/GRPO clipped surrogate with clip-higher (``eps_high > eps_low``, DAPO).
+
+    ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1-eps_low, 1+eps_high))``, ``r_t = exp(logp - logp_old)``.
+    ``advantages`` is ``[N]`` (one per turn sample, broadcast to its tokens) or ``[N,T]``.
+    With ``ref_logprobs`` and ``kl_coef > 0`` the k3 KL to the reference is added.
+    """
+    if logprobs.shape != old_logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(f"logprobs, old_logprobs and mask must share one shape, got {tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}")
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got eps_low={eps_low}, eps_high={eps_high}")
+    adv = advantages[:, None] if advantages.ndim == 1 else advantages
+    adv = adv.to(logprobs.dtype).detach()
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(unclipped, clipped)
+    pg_loss = aggregate(per_token, mask, aggregation, normalizer)
+    kl_loss = logprobs.new_zeros(())
+    if ref_logprobs is not None and kl_coef > 0:
+        kl_loss = kl_coef * aggregate(kl_k3(logprobs, ref_logprobs.detach()), mask, aggregation, normalizer)
+    with torch.no_grad():
+        m = mask.bool()
+        n = m.sum().clamp_min(1)
+        stats = PolicyLossStats(
+            pg_loss=pg_loss.detach(),
+            kl_loss=kl_loss.detach(),
+            clip_frac=((clipped > unclipped) & m).sum() / n,
+            approx_kl=0.5 * (log_ratio.pow(2) * m).sum() / n,
+            ratio_mean=(ratio * m).sum() / n,
+            ratio_max=torch.where(m, ratio, torch.zeros_like(ratio)).max() if m.any() else ratio.new_ones(()),
+        )
+    return pg_loss + kl_loss, stats
+
+
+def distillation_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    mask: Tensor,
+    *,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> Tensor:
+    """Token-level forward KL(teacher || student) over the vocabulary, teacher detached (GRPO+OPSD).
+
+    ``student_logits`` and ``teacher_logits`` are ``[N,T,V]`` at the action positions.
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError("student_logits and teacher_logits must share one [N, T, V] shape")
+    t_logp = F.log_softmax(teacher_logits.detach().float(), dim=-1)
+    s_logp = F.log_softmax(student_logits.float(), dim=-1)
+    per_token = (t_logp.exp() * (t_logp - s_logp)).sum(dim=-1)
+    return aggregate(per_token, mask, aggregation, normalizer)
+
+
+def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log softmax(logits)[targets]`` in float32 without materializing the full log-softmax twice.
+
+    ``logits [N,T,V]``, ``targets [N,T]`` -> ``[N,T]``.
+    """
+    logits = logits.float()
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,136 @@
+"""SkillBank: privileged hints for the teacher view (SkillRL layout).
+
+A skill file ``agentopsd/skills/<env>.json`` holds::
+
+    {
+      "general":    ["skill text", ...],            # always retrieved
+      "categories": {
+        "<category>": {
+          "keywords": ["word", ...],               # matched against skill_key and task text
+          "skills":   ["skill text", ...],          # task-specific skills
+          "mistakes": ["common mistake", ...]       # what goes wrong in this category
+        }
+      }
+    }
+
+Skills are training-only: they feed the teacher view and must never reach an evaluation
+prompt (``agentopsd.prompts`` guards that).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+SKILL_DIR = Path(__file__).parent / "skills"
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+@dataclass(frozen=True)
+class Category:
+    """One task category of a SkillBank."""
+
+    name: str
+    keywords: tuple[str, ...]
+    skills: tuple[str, ...]
+    mistakes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RetrievedSkills:
+    """What the SkillBank returns for one task."""
+
+    general: tuple[str, ...]
+    categories: tuple[str, ...]
+    """Names of the matched categories, best match first."""
+    skills: tuple[str, ...]
+    mistakes: tuple[str, ...]
+
+    def render(self) -> str:
+        """The skill block inserted into the teacher view."""
+        lines = ["General skills:"] + [f"- {s}" for s in self.general]
+        if self.skills:
+            lines += ["Task skills:"] + [f"- {s}" for s in self.skills]
+        if self.mistakes:
+            lines += ["Common mistakes:"] + [f"- {s}" for s in self.mistakes]
+        return "\n".join(lines)
+
+
+def _words(text: str) -> set[str]:
+    return set(_WORD.findall(text.lower()))
+
+
+class SkillBank:
+    """Keyword retrieval over general skills, per-category skills and common mistakes."""
+
+    def __init__(self, general: list[str], categories: list[Category], top_k: int = 1) -> None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.general = tuple(general)
+        self.categories = tuple(categories)
+        self.top_k = top_k
+
+    @classmethod
+    def from_file(cls, path: str | Path, top_k: int = 1) -> SkillBank:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"skill file {path} not found: pass an existing JSON file or an env name in {list_skill_files()}")
+        raw = json.loads(path.read_text())
+        cats = [
+            Category(
+                name=name,
+                keywords=tuple(k.lower() for k in body.get("keywords", [])),
+                skills=tuple(body.get("skills", [])),
+                mistakes=tuple(body.get("mistakes", [])),
+            )
+            for name, body in raw.get("categories", {}).items()
+        ]
+        return cls(list(raw.get("general", [])), cats, top_k=top_k)
+
+    @classmethod
+    def for_env(cls, name: str, top_k: int = 1) -> SkillBank:
+        """Load the shipped skill file of an environment (``babyai``, ``webshop``, ``searchqa``, ``alfworld``)."""
+        return cls.from_file(SKILL_DIR / f"{name}.json", top_k=top_k)
+
+    def match(self, skill_key: str, task: str = "") -> list[str]:
+        """Names of the categories whose keywords hit, best first.
+
+        The ``skill_key`` is matched first as an exact category name, then by keywords;
+        keyword hits on the key count double those on the task text.
+        """
+        key = skill_key.strip().lower()
+        scores: dict[str, float] = {}
+        key_words, task_words = _words(key), _words(task)
+        for cat in self.categories:
+            if key and key == cat.name.lower():
+                scores[cat.name] = 1e6
+                continue
+            score = 0.0
+            for kw in cat.keywords:
+                kw_words = _words(kw)
+                if not kw_words:
+                    continue
+                if kw_words <= key_words:
+                    score += 2.0 * len(kw_words)
+                elif kw_words <= task_words:
+                    score += 1.0 * len(kw_words)
+            if score > 0:
+                scores[cat.name] = score
+        return sorted(scores, key=lambda n: -scores[n])[: self.top_k]
+
+    def retrieve(self, skill_key: str, task: str = "") -> RetrievedSkills:
+        names = self.match(skill_key, task)
+        by_name = {c.name: c for c in self.categories}
+        chosen = [by_name[n] for n in names]
+        return RetrievedSkills(
+            general=self.general,
+            categories=tuple(names),
+            skills=tuple(s for c in chosen for s in c.skills),
+            mistakes=tuple(m for c in chosen for m in c.mistakes),
+        )
+
+
+def list_skill_files() -> list[str]:
+    return sorted(p.stem for p in SKILL_DIR.glob("*.json"))
