@@ -25,6 +25,7 @@ __all__ = [
     "reshape_advantages",
     "rlsd_token_advantages",
     "turn_evidence",
+    "turn_multipliers",
     "unpack_turns",
 ]
 
@@ -190,6 +191,45 @@ def _standardize_rows(q: Tensor, mask: Tensor) -> Tensor:
     return centered / (std + STD_EPS)
 
 
+def turn_multipliers(
+    seq_advantages: Tensor,
+    turn_gaps: Tensor,
+    turn_mask: Tensor,
+    success_prior: Tensor,
+    *,
+    gamma: float = 0.95,
+    band: float = 0.2,
+    mode: str = "belief",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Beliefs ``B_k``, revisions ``dB_k`` and bounded multipliers ``w_k`` (steps 4-9), all ``[B,K]``.
+
+    The multiplier is 1 on padded turns. :func:`reshape_advantages` mixes ``w`` with ``lam``;
+    the credit callback logs all three.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _check_band(band)
+    if seq_advantages.shape != turn_gaps.shape[:1]:
+        raise ValueError(f"seq_advantages must be [B]={turn_gaps.shape[0]}, got {tuple(seq_advantages.shape)}")
+    dtype = _compute_dtype(seq_advantages, turn_gaps, success_prior)
+    adv = seq_advantages.detach().to(dtype)
+    prior = success_prior.to(dtype)
+    if mode == "no_prior":
+        prior = torch.full_like(prior, 0.5)  # logit(0.5) = 0
+    beliefs, revisions = belief_revisions(turn_gaps.to(dtype), turn_mask, prior, gamma=gamma)
+    sign = torch.sign(adv)[:, None]
+    zero = torch.zeros((), dtype=dtype, device=adv.device)
+    if mode == "raw_gap":
+        q = sign * torch.where(turn_mask, turn_gaps.detach().to(dtype), zero)  # step 7 without the accumulator
+    elif mode == "magnitude":
+        q = revisions.abs()  # step 7 without the outcome sign
+    else:
+        q = sign * revisions  # step 7: q_k = sign(A_seq) * dB_k
+    z = _standardize_rows(q, turn_mask)  # step 8
+    w = (1 + band * z).clamp(1 - band, 1 + band)  # step 9
+    return beliefs, revisions, torch.where(turn_mask, w, torch.ones((), dtype=dtype, device=adv.device))
+
+
 def reshape_advantages(
     seq_advantages: Tensor,
     turn_gaps: Tensor,
@@ -213,29 +253,11 @@ def reshape_advantages(
     Guarantees: lam = 0 returns A exactly; w in [1-b, 1+b] so sign(At) = sign(A); A = 0 gives 0;
     a single valid turn has z = 0 so w = 1.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     _check_range("lam", lam, 0.0, 1.0)
-    _check_band(band)
-    if seq_advantages.shape != turn_gaps.shape[:1]:
-        raise ValueError(f"seq_advantages must be [B]={turn_gaps.shape[0]}, got {tuple(seq_advantages.shape)}")
-    dtype = _compute_dtype(seq_advantages, turn_gaps, success_prior)
-    adv = seq_advantages.detach().to(dtype)
-    prior = success_prior.to(dtype)
-    if mode == "no_prior":
-        prior = torch.full_like(prior, 0.5)  # logit(0.5) = 0
-    _, revisions = belief_revisions(turn_gaps.to(dtype), turn_mask, prior, gamma=gamma)
-    sign = torch.sign(adv)[:, None]
-    if mode == "raw_gap":
-        q = sign * torch.where(turn_mask, turn_gaps.detach().to(dtype), torch.zeros((), dtype=dtype, device=adv.device))
-    elif mode == "magnitude":
-        q = revisions.abs()
-    else:
-        q = sign * revisions
-    z = _standardize_rows(q, turn_mask)
-    w = (1 + band * z).clamp(1 - band, 1 + band)
-    turn_adv = adv[:, None] * ((1 - lam) + lam * w)
-    return torch.where(turn_mask, turn_adv, torch.zeros((), dtype=dtype, device=adv.device))
+    _, _, w = turn_multipliers(seq_advantages, turn_gaps, turn_mask, success_prior, gamma=gamma, band=band, mode=mode)
+    adv = seq_advantages.detach().to(w.dtype)
+    turn_adv = adv[:, None] * ((1 - lam) + lam * w)  # step 10
+    return torch.where(turn_mask, turn_adv, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
 def rlsd_token_advantages(

@@ -1,0 +1,25 @@
+"""Lightning callbacks: credit (the pluggable one), evaluation, rollout shards, checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from callbacks.checkpoint import IterationCheckpoint
+from callbacks.credit import CreditCallback
+from callbacks.evaluation import EvaluationCallback
+from callbacks.rollout_logging import RolloutShardWriter
+
+__all__ = ["CreditCallback", "EvaluationCallback", "IterationCheckpoint", "RolloutShardWriter", "default_callbacks"]
+
+
+def default_callbacks(cfg, output_dir: Path) -> list:
+    """The callbacks train.py attaches: credit, evaluation, checkpoints, rollout shards, progress bar."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    return [
+        CreditCallback(),
+        EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations),
+        IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations),
+        RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
+        RichProgressBar(leave=True),
+    ]

@@ -1,0 +1,98 @@
+"""Typed settings the LightningModule takes (Hydra builds them with ``_target_``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Which environment and how turns are rendered and scored."""
+
+    id: str
+    """Registered Gymnasium id, e.g. ``agentopsd/BabyAI-GoToLocal-v0``."""
+    skills: str | None = None
+    """SkillBank name (``agentopsd/skills/<name>.json``) for the teacher view; None = no skills."""
+    max_turns: int = 50
+    """Turn limit of an episode (the paper: 50 ALFWorld, 15 WebShop, 4 Search)."""
+    invalid_penalty: float = 0.1
+    """Reward subtracted per turn whose output did not parse or whose action was invalid."""
+    output_format: str = "action"
+    """``action``, ``think_action`` or ``search_r1`` (see agentopsd.prompts.FORMATS)."""
+    history_window: int = 2
+    """Past (observation, action) pairs shown in the prompt."""
+    max_prompt_tokens: int = 1024
+    show_admissible: bool = True
+    num_threads: int = 0
+    """Threads stepping environments (0 = inline: cheap envs lose to thread overhead)."""
+    kwargs: dict = field(default_factory=dict)
+    """Extra constructor arguments of the environment."""
+    fault_rate: float = 0.0
+    """Inject environment faults at this rate (reliability tests only)."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
+        if self.invalid_penalty < 0:
+            raise ValueError(f"env.invalid_penalty must be >= 0, got {self.invalid_penalty}")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How actions are sampled during training and evaluation."""
+
+    backend: str = "hf"
+    """``hf`` (transformers) or ``vllm``."""
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eval_temperature: float = 0.0
+    """0 = greedy evaluation (the paper evaluates at 0.4 or greedy)."""
+    recompute_old_logprobs: bool = False
+    """Score the behaviour log-probs with the training forward (needed when the backend's numerics differ, e.g. vLLM)."""
+    vllm: dict = field(default_factory=dict)
+    """Engine arguments of the vLLM backend."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("hf", "vllm"):
+            raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """The update: PPO epochs over mini-batches, micro-batches for memory."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    schedule: str = "constant"
+    """``constant`` or ``cosine`` (to ``min_lr_ratio`` * lr) after warm-up."""
+    min_lr_ratio: float = 0.1
+    ppo_epochs: int = 1
+    num_mini_batches: int = 1
+    """Optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.ppo_epochs < 1 or self.num_mini_batches < 1 or self.micro_batch_size < 1:
+            raise ValueError("optim.ppo_epochs, optim.num_mini_batches and optim.micro_batch_size must be >= 1")
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"optim.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The fixed evaluation list and how often it runs."""
+
+    num_tasks: int = 50
+    """How many tasks of the environment's eval split (always the first ones: the same every run)."""
+    every_n_iterations: int = 0
+    """0 = only before training and at the end."""
+    max_turns: int | None = None
+    """Defaults to env.max_turns."""

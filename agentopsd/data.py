@@ -1,0 +1,149 @@
+"""The task stream (which tasks, which seeds, groups of G) and rollout collation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import lightning as L
+import numpy as np
+import torch
+
+from agentopsd.credit import grpo_advantages
+from agentopsd.types import RolloutBatch, TaskSpec, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TaskBatch:
+    """What the loader yields: N tasks x G copies for one iteration (rollouts happen later, on-policy)."""
+
+    iteration: int
+    tasks: tuple[TaskSpec, ...]
+
+    def to(self, device: object) -> TaskBatch:  # nothing to move: rollouts are made on the module's device
+        return self
+
+
+def sample_tasks(env_id: str, num_tasks: int, tasks_per_batch: int, group_size: int, iteration: int, seed: int) -> tuple[TaskSpec, ...]:
+    """Deterministic tasks of one iteration: a function of (seed, iteration) only, so a resumed run
+    sees exactly the stream it would have seen."""
+    rng = np.random.default_rng([seed, iteration])
+    replace = tasks_per_batch > num_tasks
+    picks = rng.choice(num_tasks, size=tasks_per_batch, replace=replace)
+    env_seeds = rng.integers(0, 2**31 - 1, size=tasks_per_batch)
+    return tuple(
+        TaskSpec(env_id=env_id, split="train", task_index=int(t), seed=int(s), group_id=iteration * tasks_per_batch + n)
+        for n, (t, s) in enumerate(zip(picks, env_seeds))
+        for _ in range(group_size)
+    )
+
+
+class TaskStream:
+    """The object ``train_dataloader`` returns: sized, iterable, and stateful.
+
+    Lightning saves loader state only for the object ``train_dataloader()`` returns and only when
+    it has ``state_dict``/``load_state_dict``; a ``__len__`` keeps the resume exact (DESIGN.md 4).
+    """
+
+    def __init__(self, env_id: str, num_tasks: int, tasks_per_batch: int, group_size: int, num_iterations: int, seed: int) -> None:
+        self.env_id, self.num_tasks = env_id, num_tasks
+        self.tasks_per_batch, self.group_size = tasks_per_batch, group_size
+        self.num_iterations, self.seed = num_iterations, seed
+        self.position = 0
+        """Index of the next batch to yield."""
+
+    def __len__(self) -> int:
+        return self.num_iterations
+
+    def __iter__(self) -> Iterator[TaskBatch]:
+        while self.position < self.num_iterations:
+            i = self.position
+            self.position += 1
+            yield TaskBatch(i, sample_tasks(self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, i, self.seed))
+        self.position = 0  # the next epoch starts over
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            log.warning("resuming a task stream saved with seed %s under seed %s", state.get("seed"), self.seed)
+        self.position = int(state["position"])
+
+
+class TaskDataModule(L.LightningDataModule):
+    """Which tasks each iteration trains on: ``tasks_per_batch`` tasks x ``group_size`` copies."""
+
+    def __init__(self, env_id: str, tasks_per_batch: int, group_size: int, num_iterations: int, seed: int = 0, num_tasks: int | None = None) -> None:
+        super().__init__()
+        if group_size < 1 or tasks_per_batch < 1:
+            raise ValueError(f"data.group_size and data.tasks_per_batch must be >= 1, got {group_size} and {tasks_per_batch}")
+        self.env_id, self.tasks_per_batch, self.group_size = env_id, tasks_per_batch, group_size
+        self.num_iterations, self.seed, self.num_tasks = num_iterations, seed, num_tasks
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.num_tasks is None:
+            import gymnasium as gym
+
+            env = gym.make(self.env_id, split="train", disable_env_checker=True)
+            self.num_tasks = int(env.unwrapped.num_tasks)
+            env.close()
+
+    def train_dataloader(self) -> TaskStream:
+        self.setup()
+        return TaskStream(self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, self.num_iterations, self.seed)
+
+
+def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
+    """Trajectories to the tensor batch, one row per turn; faulted trajectories are left out.
+
+    GRPO advantages are computed over the remaining members of each group: an environment
+    fault must not pass as a failure with a wrong reward.
+    """
+    kept = [t for t in trajectories if t.fault is None and t.turns]
+    if not kept:
+        raise RuntimeError("every trajectory of this batch faulted or had no turns: nothing to train on")
+    rows = [(i, turn) for i, traj in enumerate(kept) for turn in traj.turns]
+    width = max(len(t.prompt_ids) + len(t.action_ids) for _, t in rows)
+    t_width = max(len(t.teacher_prompt_ids) + len(t.action_ids) for _, t in rows)
+    m = len(rows)
+    input_ids = torch.full((m, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((m, width), dtype=torch.long)
+    action_mask = torch.zeros((m, width), dtype=torch.bool)
+    old_lp = torch.zeros((m, width), dtype=torch.float32)
+    t_ids = torch.full((m, t_width), pad_id, dtype=torch.long)
+    t_attention = torch.zeros((m, t_width), dtype=torch.long)
+    t_action = torch.zeros((m, t_width), dtype=torch.bool)
+    for r, (_, turn) in enumerate(rows):
+        p, a, tp = len(turn.prompt_ids), len(turn.action_ids), len(turn.teacher_prompt_ids)
+        input_ids[r, : p + a] = torch.tensor(turn.prompt_ids + turn.action_ids)
+        attention[r, : p + a] = 1
+        action_mask[r, p : p + a] = True
+        old_lp[r, p : p + a] = torch.tensor(turn.behaviour_logprobs, dtype=torch.float32)
+        t_ids[r, : tp + a] = torch.tensor(turn.teacher_prompt_ids + turn.action_ids)
+        t_attention[r, : tp + a] = 1
+        t_action[r, tp : tp + a] = True
+    success = torch.tensor([float(t.success) for t in kept])
+    rewards = torch.tensor([t.total_reward for t in kept], dtype=torch.float32)
+    group_ids = torch.tensor([t.task.group_id for t in kept], dtype=torch.long)
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        action_mask=action_mask,
+        old_logprobs=old_lp,
+        teacher_input_ids=t_ids,
+        teacher_attention_mask=t_attention,
+        teacher_action_mask=t_action,
+        turn_traj=torch.tensor([i for i, _ in rows], dtype=torch.long),
+        turn_index=torch.tensor([t.index for _, t in rows], dtype=torch.long),
+        turn_valid=torch.tensor([t.valid for _, t in rows], dtype=torch.bool),
+        success=success,
+        rewards=rewards,
+        group_ids=group_ids,
+        seq_advantages=grpo_advantages(rewards, group_ids),
+        num_turns=torch.tensor([len(t.turns) for t in kept], dtype=torch.long),
+        trajectories=tuple(kept),
+    )

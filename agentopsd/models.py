@@ -1,0 +1,193 @@
+"""Loading a policy (any transformers causal LM) and building the tiny from-scratch one.
+
+The weights check runs before ``from_pretrained``: on a machine without hub access a missing
+model must fail in seconds with a message that says what to set, not after a minute of retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from agentopsd.tokenizer import IM_END, tiny_qwen2_config
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "auto": "auto",
+}
+LORA_KEYS = frozenset({"r", "alpha", "dropout", "target_modules"})
+_PROBE_TIMEOUT_S = 5.0
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The policy's weights are neither a local folder, nor in the hub cache, nor downloadable."""
+
+
+def _offline() -> bool:
+    env = any(os.environ.get(v, "").strip().lower() in _TRUE for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    from huggingface_hub import constants
+
+    return env or bool(constants.HF_HUB_OFFLINE)
+
+
+def _not_found(path: str, why: str) -> ModelNotFoundError:
+    from huggingface_hub import constants
+
+    return ModelNotFoundError(
+        f"model.path={path!r}: {why}. It must be a local folder with config.json and the weights, "
+        f"or a hub id already in the hub cache (HF_HOME={os.environ.get('HF_HOME', '<unset>')}, "
+        f"cache {constants.HF_HUB_CACHE}; HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '<unset>')}). "
+        "Fix: point model.path at a downloaded folder, or download it on a machine with hub access "
+        "(`hf download <id>`) and copy HF_HOME here, or unset HF_HUB_OFFLINE where the hub is "
+        "reachable."
+    )
+
+
+def resolve_model_path(path: str) -> str:
+    """A folder or hub id that ``from_pretrained`` can load without waiting on the network.
+
+    A local folder is returned as is; a cached hub id becomes its cached snapshot folder (no
+    network at all); otherwise the hub is probed once with a short timeout. Raises
+    :class:`ModelNotFoundError` with a fix in the message.
+    """
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import model_info, try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        raise _not_found(path, "no such local folder, and not a valid hub id") from None
+    cached = try_to_load_from_cache(path, "config.json")
+    if isinstance(cached, str):
+        return os.path.dirname(cached)
+    if _offline():
+        raise _not_found(path, "no such local folder, and not in the hub cache while offline")
+    try:
+        # One request, no retries: huggingface_hub's own download retries for ~25 s without a network.
+        model_info(path, timeout=_PROBE_TIMEOUT_S)
+    except Exception as exc:  # any network or hub error means the same thing to the user
+        raise _not_found(path, f"no such local folder, not in the hub cache, and the hub lookup failed "
+                         f"({type(exc).__name__}: {exc})") from exc
+    return path
+
+
+def _dtype_kwargs(dtype: str) -> dict[str, Any]:
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    # transformers renamed torch_dtype to dtype in 4.56.
+    name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
+    return {name: DTYPES[dtype]}
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> None:
+    """Set pad = eos when the tokenizer has no pad token (Qwen base and Llama tokenizers ship none).
+
+    Padding is always masked out, so the id only has to exist; the model config follows the tokenizer.
+    """
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model is not None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Non-reentrant activation checkpointing (works with LoRA's frozen inputs)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_lora(model: PreTrainedModel, lora: dict[str, Any]) -> PreTrainedModel:
+    """Wrap ``model`` with LoRA adapters; ``lora`` = {r, alpha, dropout, target_modules}."""
+    unknown = set(lora) - LORA_KEYS
+    if unknown:
+        raise ValueError(f"model.lora has unknown keys {sorted(unknown)}; valid keys: {sorted(LORA_KEYS)}")
+    try:
+        import peft
+    except ImportError as exc:
+        raise ImportError("model.lora needs peft: pip install 'agentopsd[lora]' (or pip install peft)") from exc
+    config = peft.LoraConfig(
+        r=int(lora.get("r", 16)),
+        lora_alpha=int(lora.get("alpha", 32)),
+        lora_dropout=float(lora.get("dropout", 0.0)),
+        target_modules=lora.get("target_modules", "all-linear"),
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config)
+
+
+def load_policy(
+    path: str,
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    lora: dict[str, Any] | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local folder or hub id (see :func:`resolve_model_path`).
+
+    ``dtype``: float32, bfloat16, float16 or auto (the checkpoint's). Gradient checkpointing is the
+    non-reentrant kind (works with LoRA's frozen inputs). A tokenizer without a pad token gets
+    pad = eos (:func:`ensure_pad_token`).
+    """
+    kwargs = _dtype_kwargs(dtype)
+    resolved = resolve_model_path(path)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(resolved, trust_remote_code=trust_remote_code, **kwargs)
+    ensure_pad_token(tokenizer, model)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if lora is not None:
+        model = apply_lora(model, lora)
+    log.info("loaded policy %s (%s) with %d parameters", path, resolved, sum(p.numel() for p in model.parameters()))
+    return model, tokenizer
+
+
+def build_tiny_policy(
+    tokenizer: PreTrainedTokenizerBase,
+    config_overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A from-scratch ``Qwen2ForCausalLM`` sized for ``tokenizer`` (see ``tiny_qwen2_config``).
+
+    The initialisation depends only on ``seed`` (the global RNG is left untouched). eos is the
+    tokenizer's eos; generation also stops at ``<|im_end|>`` when the vocabulary has it, as
+    Qwen2.5-Instruct's generation config does.
+    """
+    ensure_pad_token(tokenizer)
+    config = tiny_qwen2_config(
+        len(tokenizer),
+        **(config_overrides or {}),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2ForCausalLM(config)
+    eos_ids = [tokenizer.eos_token_id]
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in eos_ids:
+        eos_ids.append(im_end)
+    model.generation_config.eos_token_id = eos_ids
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model

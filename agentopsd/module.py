@@ -1,0 +1,355 @@
+"""The LightningModule: owns the policy, its two prompt views, rollouts and the update.
+
+Data flow of one iteration (DESIGN.md section 4): the loader yields a TaskBatch; in
+``on_after_batch_transfer`` (right before the callbacks' ``on_train_batch_start``) the
+current weights roll out and, when the algorithm needs it, the teacher view scores the same
+action tokens; the CreditCallback writes the advantages; ``training_step`` runs PPO epochs
+with manual optimization.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from agentopsd.algorithms import Algorithm
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.data import TaskBatch, collate_trajectories
+from agentopsd.evaluation import evaluate_trajectories
+from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logprobs
+from agentopsd.prompts import PromptBuilder
+from agentopsd.rollout.base import SamplingConfig
+from agentopsd.rollout.collector import Collector
+from agentopsd.skills import SkillBank
+from agentopsd.types import RolloutBatch, TaskSpec
+
+log = logging.getLogger(__name__)
+
+
+class AgentRLModule(L.LightningModule):
+    """GRPO-family RL of a causal LM agent in a Gymnasium text environment."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: object,
+        algorithm: Algorithm,
+        env: EnvConfig,
+        rollout: RolloutConfig,
+        optim: OptimConfig,
+        evaluation: EvalConfig,
+        num_iterations: int,
+        seed: int = 0,
+        model_path: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model, self.tokenizer = model, tokenizer
+        self.algorithm, self.env_cfg, self.rollout_cfg = algorithm, env, rollout
+        self.optim_cfg, self.eval_cfg = optim, evaluation
+        self.num_iterations, self.seed, self.model_path = num_iterations, seed, model_path
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.prompts = PromptBuilder(
+            tokenizer,
+            output_format=env.output_format,
+            history_window=env.history_window,
+            max_prompt_tokens=env.max_prompt_tokens,
+            show_admissible=env.show_admissible,
+        )
+        self.skill_bank = SkillBank.for_env(env.skills) if env.skills else None
+        if algorithm.needs_teacher and self.skill_bank is None:
+            raise ValueError(f"algorithm {algorithm.name} needs a teacher view: set env.skills to a SkillBank name")
+        self.sampling = SamplingConfig(
+            max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p, stop_strings=self.prompts.stop_strings
+        )
+        greedy = rollout.eval_temperature == 0
+        self.eval_sampling = SamplingConfig(
+            max_new_tokens=rollout.max_new_tokens,
+            temperature=1.0 if greedy else rollout.eval_temperature,
+            greedy=greedy,
+            stop_strings=self.prompts.stop_strings,
+        )
+        self._collector: Collector | None = None
+        self.phase_seconds: dict[str, float] = {}
+        self.rollout_metrics: dict[str, float] = {}
+        self.first_ratio_dev: float = float("nan")
+        """max |ratio - 1| on the first mini-batch of the last iteration (0 when on-policy)."""
+        self.eval_history: list[dict[str, float]] = []
+        self.iteration = 0
+
+    # ------------------------------------------------------------------ rollout
+
+    def make_generator(self):
+        if self.rollout_cfg.backend == "vllm":
+            from agentopsd.rollout.vllm_backend import VLLMGenerator
+
+            if self.model_path is None:
+                raise ValueError("rollout.backend=vllm needs model.path (vLLM loads the weights itself)")
+            return VLLMGenerator(self.model_path, self.tokenizer, **self.rollout_cfg.vllm)
+        from agentopsd.rollout.hf import HFGenerator
+
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # under sharding every rank must run every forward, or ranks that finish early hang
+        return HFGenerator(self.model, self.tokenizer, synced_gpus=distributed)
+
+    @property
+    def collector(self) -> Collector:
+        if self._collector is None:
+            wrappers = []
+            if self.env_cfg.fault_rate > 0:
+                from envs.faults import FaultInjectionWrapper
+
+                rate, seed = self.env_cfg.fault_rate, self.seed
+                wrappers.append(lambda e: FaultInjectionWrapper(e, p_reset=rate, p_step=rate, seed=seed + id(e) % 1000))
+            self._collector = Collector(
+                self.env_cfg.id,
+                self.make_generator(),
+                self.prompts,
+                self.sampling,
+                env_kwargs=self.env_cfg.kwargs,
+                max_turns=self.env_cfg.max_turns,
+                invalid_penalty=self.env_cfg.invalid_penalty,
+                skill_bank=self.skill_bank,
+                num_threads=self.env_cfg.num_threads,
+                env_wrappers=wrappers,
+            )
+        return self._collector
+
+    def on_after_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
+        # Runs right before the callbacks' on_train_batch_start: the rollout uses the weights
+        # of this very step (on-policy), and the credit callback sees its result.
+        if isinstance(batch, TaskBatch) and self.trainer.training:
+            return self.rollout(batch)
+        return batch
+
+    def rollout(self, batch: TaskBatch) -> RolloutBatch:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            collector = self.collector
+            collector.generator.sync_weights(self.model)
+            t0 = time.perf_counter()
+            trajectories = collector.collect(batch.tasks, with_teacher=self.algorithm.needs_teacher)
+            t_rollout = time.perf_counter() - t0
+            rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                if self.rollout_cfg.recompute_old_logprobs:
+                    rb.old_logprobs = self.action_logprobs(rb, "student")
+                rb.student_logprobs = rb.old_logprobs
+                if self.algorithm.needs_teacher:
+                    rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
+            t_teacher = time.perf_counter() - t0
+        finally:
+            self.model.train(was_training)
+        self.iteration = batch.iteration
+        self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
+        self.rollout_metrics = self._rollout_metrics(trajectories, collector)
+        return rb
+
+    @staticmethod
+    def _rollout_metrics(trajectories, collector: Collector) -> dict[str, float]:
+        n = max(len(trajectories), 1)
+        s = collector.stats
+        return {
+            "rollout/success": sum(t.success for t in trajectories) / n,
+            "rollout/score": sum(t.score for t in trajectories) / n,
+            "rollout/reward": sum(t.total_reward for t in trajectories) / n,
+            "rollout/turns": sum(len(t.turns) for t in trajectories) / n,
+            "rollout/format_errors": float(s.format_errors),
+            "rollout/invalid_actions": float(s.invalid_actions),
+            "rollout/faults": float(s.faults),
+            "rollout/trajectories": float(len(trajectories)),
+            "perf/rollout_tokens_per_s": s.generated_tokens / max(s.generate_seconds, 1e-9),
+            "perf/env_seconds": s.env_seconds,
+            "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
+        }
+
+    # ------------------------------------------------------------------ scoring
+
+    def _action_logits(self, ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor]:
+        """Logits predicting each action token, flattened row-major ``[n, V]``, and those tokens ``[n]``.
+
+        Only the positions before action tokens go through the LM head: prompts are long and
+        actions short, and a 151k-vocabulary head over every prompt position is what eats memory.
+        """
+        width = int(attn.sum(1).max())
+        ids, attn, amask = ids[:, :width], attn[:, :width], amask[:, :width]
+        source = torch.zeros_like(amask)
+        source[:, :-1] = amask[:, 1:]  # the hidden state at j-1 predicts token j
+        decoder, head = getattr(self.model, "get_decoder", lambda: None)(), getattr(self.model, "get_output_embeddings", lambda: None)()
+        if decoder is not None and head is not None:
+            hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
+            logits = head(hidden[source])
+        else:
+            logits = self.model(input_ids=ids, attention_mask=attn).logits[source]
+        return logits, ids[amask]
+
+    def action_logprobs(self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False) -> Tensor:
+        """log pi(a_k,t | view) at the student's action positions, ``[m, L]`` (0 elsewhere).
+
+        ``view`` is ``student`` (h_k) or ``teacher`` (h+_k, the skill-augmented context). The
+        teacher view always runs without gradient: the gap is a stop-gradient signal.
+        """
+        if view not in ("student", "teacher"):
+            raise ValueError(f"view must be 'student' or 'teacher', got {view!r}")
+        rows = torch.arange(batch.num_rows, device=batch.input_ids.device) if rows is None else rows
+        temperature = self.sampling.scoring_temperature
+        out = torch.zeros(batch.old_logprobs[rows].shape, device=batch.input_ids.device, dtype=torch.float32)
+        student_mask = batch.action_mask[rows]
+        if view == "student":
+            ids, attn, amask = batch.input_ids[rows], batch.attention_mask[rows], student_mask
+        else:
+            ids, attn, amask = batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows]
+        step = self.optim_cfg.micro_batch_size
+        pieces = []
+        with torch.set_grad_enabled(grad and view == "student"):
+            for start in range(0, ids.shape[0], step):
+                sl = slice(start, start + step)
+                logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl])
+                pieces.append(token_logprobs(logits / temperature, targets))
+        # boolean indexing is row-major, so the two views' action tokens line up one to one
+        out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
+        return out
+
+    # ------------------------------------------------------------------ update
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        if batch.advantages is None:
+            raise RuntimeError("the batch has no advantages: add callbacks.credit.CreditCallback to the Trainer's callbacks")
+        t0 = time.perf_counter()
+        opt = self.optimizers()
+        sched = self.lr_schedulers()
+        algo, cfg = self.algorithm, self.optim_cfg
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
+        stats_log: dict[str, list[float]] = {}
+        losses = []
+        first = True
+        for _ in range(cfg.ppo_epochs):
+            perm = torch.randperm(batch.num_rows, generator=gen).to(self.device)
+            for mb in perm.chunk(cfg.num_mini_batches):
+                opt.zero_grad(set_to_none=True)
+                normalizer = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
+                for micro in mb.split(cfg.micro_batch_size):
+                    lp = self.action_logprobs(batch, "student", micro, grad=True)
+                    mask = batch.action_mask[micro]
+                    loss, st = clipped_policy_loss(
+                        lp, batch.old_logprobs[micro], batch.advantages[micro], mask,
+                        eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
+                    )
+                    if algo.needs_teacher_logits:
+                        loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
+                    if first:
+                        ratio = torch.exp(lp - batch.old_logprobs[micro])[mask]
+                        self.first_ratio_dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
+                    self.manual_backward(loss)
+                    losses.append(float(loss.detach()))
+                    for k, v in vars(st).items():
+                        stats_log.setdefault(k, []).append(float(v))
+                first = False
+                self._optimizer_step(opt, sched, stats_log)
+        metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
+        metrics["loss/first_ratio_dev"] = self.first_ratio_dev
+        metrics["loss/lr"] = float(opt.param_groups[0]["lr"])
+        self.phase_seconds["update"] = time.perf_counter() - t0
+        metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})
+        metrics.update(self.rollout_metrics)
+        metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(self.phase_seconds["update"], 1e-9)
+        self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=batch.num_trajectories)
+        self.log("rollout/success", self.rollout_metrics.get("rollout/success", 0.0), prog_bar=True, batch_size=batch.num_trajectories)
+        return torch.tensor(sum(losses) / max(len(losses), 1))
+
+    def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float) -> Tensor:
+        with torch.no_grad():
+            t_logits, _ = self._action_logits(batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows])
+        s_logits, _ = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], batch.action_mask[rows])
+        ones = torch.ones(1, s_logits.shape[0], dtype=torch.bool, device=s_logits.device)
+        norm = normalizer if self.algorithm.aggregation == "token-mean" else None
+        return distillation_loss(s_logits[None], t_logits[None], ones, normalizer=norm)
+
+    def _optimizer_step(self, opt, sched, stats_log: dict[str, list[float]]) -> None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip) if params else torch.tensor(0.0)
+        if not torch.isfinite(norm):
+            # a non-finite gradient would write NaN into the weights: skip this update
+            log.warning("non-finite gradient norm (%s) at iteration %d: update skipped", float(norm), self.iteration)
+            opt.zero_grad(set_to_none=True)
+            stats_log.setdefault("skipped_steps", []).append(1.0)
+            return
+        stats_log.setdefault("grad_norm", []).append(float(norm))
+        opt.step()
+        sched.step()
+
+    def configure_optimizers(self):
+        cfg = self.optim_cfg
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        total = max(1, self.num_iterations * cfg.ppo_epochs * cfg.num_mini_batches)
+
+        def factor(step: int) -> float:
+            if step < cfg.warmup_steps:
+                return (step + 1) / cfg.warmup_steps
+            if cfg.schedule == "constant":
+                return 1.0
+            progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval_tasks(self) -> list[TaskSpec]:
+        import gymnasium as gym
+
+        env = gym.make(self.env_cfg.id, split="eval", disable_env_checker=True, **self.env_cfg.kwargs)
+        n = min(self.eval_cfg.num_tasks, int(env.unwrapped.num_tasks))
+        env.close()
+        # seed = task index: the same list on every machine and every run
+        return [TaskSpec(self.env_cfg.id, "eval", i, i, group_id=i) for i in range(n)]
+
+    def evaluate(self) -> dict[str, float]:
+        """Success on the fixed evaluation list, with no skill text in any prompt."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            collector = self.collector
+            collector.generator.sync_weights(self.model)
+            trajectories = collector.collect(self.eval_tasks(), with_teacher=False, sampling=self.eval_sampling)
+        finally:
+            self.model.train(was_training)
+        metrics = evaluate_trajectories(trajectories)
+        metrics["eval/iteration"] = float(self.iteration)
+        self.eval_history.append(metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint extras
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        import random
+
+        import numpy as np
+
+        checkpoint["agentopsd"] = {
+            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "eval_history": self.eval_history,
+            "iteration": self.iteration,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        import random
+
+        import numpy as np
+
+        extra = checkpoint.get("agentopsd")
+        if not extra:
+            return
+        torch.set_rng_state(extra["rng"]["torch"])
+        np.random.set_state(extra["rng"]["numpy"])
+        random.setstate(extra["rng"]["python"])
+        self.eval_history = list(extra.get("eval_history", []))
+        self.iteration = int(extra.get("iteration", 0))

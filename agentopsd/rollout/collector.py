@@ -1,0 +1,227 @@
+"""The lockstep collector: N tasks x G copies advance together, one batched generate per turn."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import gymnasium as gym
+
+from agentopsd.prompts import HistoryEntry, PromptBuilder, assert_no_skills, parse_action
+from agentopsd.rollout.base import Generator, SamplingConfig
+from agentopsd.skills import SkillBank
+from agentopsd.types import TaskSpec, Trajectory, Turn
+from envs.runner import BatchedRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Episode:
+    """Mutable per-environment state while a batch of episodes runs."""
+
+    spec: TaskSpec
+    task: str = ""
+    observation: str = ""
+    admissible: list[str] | None = None
+    skill: str = ""
+    task_type: str = ""
+    expert_steps: int = -1
+    history: list[HistoryEntry] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    done: bool = False
+    won: bool = False
+    score: float = 0.0
+    fault: str | None = None
+    truncated: bool = False
+
+
+@dataclass
+class CollectorStats:
+    """Counters of one ``collect`` call (logged under ``rollout/``)."""
+
+    turns: int = 0
+    generated_tokens: int = 0
+    format_errors: int = 0
+    invalid_actions: int = 0
+    faults: int = 0
+    generate_seconds: float = 0.0
+    env_seconds: float = 0.0
+
+
+class Collector:
+    """Runs episodes for a list of task copies with one generator call per turn."""
+
+    def __init__(
+        self,
+        env_id: str,
+        generator: Generator,
+        prompts: PromptBuilder,
+        sampling: SamplingConfig,
+        *,
+        env_kwargs: dict | None = None,
+        max_turns: int = 50,
+        invalid_penalty: float = 0.1,
+        skill_bank: SkillBank | None = None,
+        num_threads: int = 0,
+        env_wrappers: Sequence = (),
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"env.max_turns must be >= 1, got {max_turns}")
+        self.env_id = env_id
+        self.generator = generator
+        self.prompts = prompts
+        self.sampling = sampling
+        self.env_kwargs = dict(env_kwargs or {})
+        self.max_turns = max_turns
+        self.invalid_penalty = invalid_penalty
+        self.skill_bank = skill_bank
+        self.num_threads = num_threads
+        self.env_wrappers = tuple(env_wrappers)
+        self._pools: dict[str, list[gym.Env]] = {}
+        self.stats = CollectorStats()
+        self._skill_lines = self._all_skill_lines(skill_bank)
+
+    @staticmethod
+    def _all_skill_lines(bank: SkillBank | None) -> tuple[str, ...]:
+        if bank is None:
+            return ()
+        lines = list(bank.general)
+        for cat in bank.categories:
+            lines += list(cat.skills) + list(cat.mistakes)
+        return tuple(lines)
+
+    def _envs(self, split: str, n: int) -> list[gym.Env]:
+        pool = self._pools.setdefault(split, [])
+        while len(pool) < n:
+            # TimeLimit at max_turns: format errors do not step the env, so the collector's own
+            # turn loop is the binding limit and the env's can never end an episode earlier
+            env = gym.make(self.env_id, split=split, max_episode_steps=self.max_turns, disable_env_checker=True, **self.env_kwargs)
+            for wrap in self.env_wrappers:
+                env = wrap(env)
+            pool.append(env)
+        return pool[:n]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            for env in pool:
+                env.close()
+        self._pools.clear()
+
+    def collect(self, tasks: Sequence[TaskSpec], *, with_teacher: bool, sampling: SamplingConfig | None = None) -> list[Trajectory]:
+        """Play every task copy to the end; ``with_teacher`` also builds the skill-augmented view."""
+        sampling = sampling or self.sampling
+        self.stats = CollectorStats()
+        split = tasks[0].split if tasks else "train"
+        if any(t.split != split for t in tasks):
+            raise ValueError("one collect call takes tasks of one split")
+        evaluating = split == "eval"
+        if evaluating and with_teacher:
+            raise ValueError("the teacher view is training-only: skills must never reach evaluation")
+        runner = BatchedRunner(self._envs(split, len(tasks)), num_threads=self.num_threads)
+        episodes = [_Episode(spec=t) for t in tasks]
+        t0 = time.perf_counter()
+        results = runner.reset([t.seed for t in tasks], [{"task_index": t.task_index} for t in tasks])
+        self.stats.env_seconds += time.perf_counter() - t0
+        for ep, res in zip(episodes, results):
+            self._start(ep, res, with_teacher)
+        for _ in range(self.max_turns):
+            active = [i for i, ep in enumerate(episodes) if not ep.done]
+            if not active:
+                break
+            student = [self._prompt(episodes[i], skill="") for i in active]
+            if evaluating and self._skill_lines:
+                for ids in student:
+                    assert_no_skills(self.prompts.tokenizer.decode(ids), self._skill_lines)
+            teacher = [self._prompt(episodes[i], skill=episodes[i].skill) if with_teacher else s for i, s in zip(active, student)]
+            t0 = time.perf_counter()
+            gens = self.generator.generate(student, sampling)
+            self.stats.generate_seconds += time.perf_counter() - t0
+            actions: dict[int, str] = {}
+            parsed: dict[int, str | None] = {}
+            for i, gen in zip(active, gens):
+                parsed[i] = parse_action(gen.text, self.prompts.output_format)
+                self.stats.generated_tokens += len(gen.token_ids)
+                if parsed[i] is not None:
+                    actions[i] = parsed[i]
+            t0 = time.perf_counter()
+            stepped = runner.step(actions)
+            self.stats.env_seconds += time.perf_counter() - t0
+            for i, s_ids, t_ids, gen in zip(active, student, teacher, gens):
+                self._record(episodes[i], s_ids, t_ids, gen, parsed[i], stepped.get(i))
+        for ep in episodes:
+            if not ep.done:
+                ep.truncated = True
+        self.stats.faults = sum(ep.fault is not None for ep in episodes)
+        return [self._finish(ep) for ep in episodes]
+
+    def _start(self, ep: _Episode, res, with_teacher: bool) -> None:
+        if res.error is not None:
+            ep.done, ep.fault = True, f"reset: {res.error}"
+            return
+        info = res.info
+        ep.task = str(info.get("task", ""))
+        ep.observation = res.observation
+        ep.admissible = info.get("admissible_actions")
+        ep.task_type = str(info.get("task_type", ""))
+        ep.expert_steps = int(info.get("expert_steps", -1))
+        if with_teacher and self.skill_bank is not None:
+            ep.skill = self.skill_bank.retrieve(str(info.get("skill_key", "")), ep.task).render()
+
+    def _prompt(self, ep: _Episode, skill: str) -> list[int]:
+        return self.prompts.build(ep.task, ep.history, ep.observation, ep.admissible, skill=skill)
+
+    def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res) -> None:
+        self.stats.turns += 1
+        reward, valid = 0.0, False
+        if action is None:
+            self.stats.format_errors += 1
+            observation = f"Your output did not follow the format. {self.prompts.user_message('', [], '', None).splitlines()[-1]}"
+            reward -= self.invalid_penalty
+        elif res.error is not None:
+            ep.done, ep.fault = True, f"step: {res.error}"
+            observation = ""
+        else:
+            valid = bool(res.info.get("action_valid", True))
+            if not valid:
+                self.stats.invalid_actions += 1
+                reward -= self.invalid_penalty
+            reward += float(res.reward)
+            observation = res.observation
+            ep.admissible = res.info.get("admissible_actions", ep.admissible)
+            ep.won = bool(res.info.get("won", False))
+            ep.score = float(res.info.get("score", float(ep.won)))
+            ep.done = bool(res.terminated or res.truncated)
+        ep.turns.append(
+            Turn(
+                index=len(ep.turns),
+                prompt_ids=tuple(s_ids),
+                teacher_prompt_ids=tuple(t_ids),
+                action_ids=tuple(gen.token_ids),
+                behaviour_logprobs=tuple(gen.logprobs),
+                action_text=gen.text,
+                parsed_action=action or "",
+                observation=observation,
+                reward=reward,
+                valid=valid,
+            )
+        )
+        ep.history.append(HistoryEntry(observation=ep.observation, action=action or gen.text.strip()[:200]))
+        if observation:
+            ep.observation = observation
+
+    @staticmethod
+    def _finish(ep: _Episode) -> Trajectory:
+        return Trajectory(
+            task=ep.spec,
+            turns=tuple(ep.turns),
+            success=ep.won and ep.fault is None,
+            score=ep.score,
+            task_type=ep.task_type,
+            expert_steps=ep.expert_steps,
+            skill_text=ep.skill,
+            fault=ep.fault,
+            truncated=ep.truncated,
+        )

@@ -1,0 +1,263 @@
+"""The transformers generation backend: our own sampling loop over a KV cache.
+
+Why not ``model.generate``: the trainer needs log softmax(logits / T) of each chosen token over
+the full vocabulary (before top-p), exact stop-string handling per sequence, and dropping finished
+rows from the batch; a 40-line loop gives all three directly.
+
+One step costs one batched forward of the rows still running. Per-token Python work is O(batch)
+small tensor ops; stop strings are checked by decoding a short tail only for rows whose new token
+could complete one (a per-vocabulary lookup table built once per tokenizer and stop set).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentopsd.rollout.base import Generation, SamplingConfig
+
+_REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
+
+
+@dataclass
+class _StopTable:
+    """Which token ids can complete one of ``stops`` (checked by decoding a tail)."""
+
+    stops: tuple[str, ...]
+    could_complete: torch.Tensor  # [V] bool, CPU
+    tail_tokens: int  # tokens to decode: enough to hold the longest stop string
+
+
+class HFGenerator:
+    """Batched sampling with a transformers causal LM (CPU or GPU).
+
+    Prompts are left-padded into one batch; position ids count real tokens only, so each row sees
+    exactly what it would see alone. ``synced_gpus=True`` keeps every rank stepping until all
+    ranks are done (FSDP gathers parameters inside forward; a rank that stops early hangs the rest).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, *, synced_gpus: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.synced_gpus = synced_gpus
+        self._pieces: list[str] | None = None
+        self._stop_tables: dict[tuple[str, ...], _StopTable] = {}
+
+    def sync_weights(self, model: nn.Module) -> None:
+        """Generate with ``model`` from now on (normally the same object: nothing to copy)."""
+        self.model = model
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Generation]:
+        """One batched call for all prompts; one :class:`Generation` per prompt, in order."""
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                tokens, logprobs, reasons = self._run(model, prompts, sampling)
+        finally:
+            model.train(was_training)
+        out = []
+        for toks, lps, reason in zip(tokens, logprobs, reasons):
+            text = self.tokenizer.decode(toks, skip_special_tokens=True)
+            out.append(Generation(tuple(toks), tuple(lps), text, reason))
+        return out
+
+    # ----------------------------------------------------------------------------------------
+    def _run(
+        self, model: nn.Module, prompts: Sequence[Sequence[int]], sampling: SamplingConfig
+    ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        device = _model_device(model)
+        batch, max_new = len(prompts), sampling.max_new_tokens
+        lengths = torch.tensor([len(p) for p in prompts])
+        width = int(lengths.max())
+        input_ids, mask = _left_pad(prompts, width, max_new, self._pad_id())
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        position_ids = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+        cache_kw, keep_kw = _forward_kwarg_names(model)
+        cache = _new_cache(model)
+        can_shrink = hasattr(cache, "batch_select_indices")
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(sampling.seed)
+
+        def forward(ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            kwargs = {cache_kw: cache, "use_cache": True}
+            if keep_kw:
+                kwargs[keep_kw] = 1  # only the last position's logits: [B, 1, V], not [B, L, V]
+            out = model(input_ids=ids, attention_mask=attn, position_ids=pos, **kwargs)
+            return out.logits[:, -1, :].float()
+
+        logits = forward(input_ids, mask[:, :width], position_ids)
+        stop_table = self._stop_table(sampling.stop_strings, logits.shape[-1])
+        eos_ids = torch.tensor(self._eos_ids(model), dtype=torch.long)
+
+        out_tokens = torch.zeros(batch, max_new, dtype=torch.long)
+        out_logps = torch.zeros(batch, max_new)
+        n_generated = torch.zeros(batch, dtype=torch.long)
+        reasons = ["length"] * batch
+        rows = torch.arange(batch)  # cache row -> prompt index
+        alive = torch.ones(batch, dtype=torch.bool)  # False for a kept-only-for-sync row
+        next_pos = lengths.to(device)
+        for step in range(max_new):
+            token, logp = _choose(logits, sampling, generator)
+            token_cpu, logp_cpu = token.cpu(), logp.cpu()
+            live_rows = rows[alive]
+            out_tokens[live_rows, step] = token_cpu[alive]
+            out_logps[live_rows, step] = logp_cpu[alive]
+            n_generated[live_rows] = step + 1
+            finished = alive & torch.isin(token_cpu, eos_ids)
+            for r in finished.nonzero().flatten().tolist():
+                reasons[int(rows[r])] = "eos"
+            if stop_table is not None:
+                candidates = alive & ~finished & stop_table.could_complete[token_cpu]
+                for r in candidates.nonzero().flatten().tolist():
+                    i = int(rows[r])
+                    if self._ends_in_stop(out_tokens[i, : step + 1], stop_table):
+                        finished[r] = True
+                        reasons[i] = "stop"
+            alive &= ~finished
+            local_done = not bool(alive.any())
+            if step == max_new - 1 or self._all_done(local_done, device):
+                break
+            keep = alive.clone()
+            if local_done:
+                keep[0] = True  # synced_gpus: one dummy row keeps this rank's forwards going
+            if can_shrink and not bool(keep.all()):
+                idx = keep.nonzero().flatten()
+                cache.batch_select_indices(idx.to(device))
+                rows, alive, token = rows[idx], alive[idx], token[idx.to(device)]
+                mask, next_pos = mask[idx.to(device)], next_pos[idx.to(device)]
+            mask[:, width + step] = 1
+            logits = forward(token[:, None], mask[:, : width + step + 1], next_pos[:, None])
+            next_pos = next_pos + 1
+        counts = n_generated.tolist()
+        tokens = [out_tokens[i, :n].tolist() for i, n in enumerate(counts)]
+        logps = [out_logps[i, :n].tolist() for i, n in enumerate(counts)]
+        return tokens, logps, reasons
+
+    def _all_done(self, local_done: bool, device: torch.device) -> bool:
+        if not (self.synced_gpus and dist.is_available() and dist.is_initialized()):
+            return local_done
+        running = torch.tensor([0.0 if local_done else 1.0], device=device)
+        dist.all_reduce(running)
+        return running.item() == 0
+
+    def _pad_id(self) -> int:
+        for tid in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):
+            if tid is not None:
+                return int(tid)
+        return 0  # padding is masked out: any valid id works
+
+    def _eos_ids(self, model: nn.Module) -> list[int]:
+        """The tokenizer's eos plus the model's generation-config eos ids (Qwen2.5 lists two)."""
+        ids: list[int] = []
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        config = getattr(model, "generation_config", None)
+        extra = getattr(config, "eos_token_id", None) if config is not None else None
+        if extra is not None:
+            ids.extend(int(e) for e in (extra if isinstance(extra, (list, tuple)) else [extra]))
+        return sorted(set(ids))
+
+    # ----------------------------------------------------------------------------------------
+    def _stop_table(self, stops: tuple[str, ...], vocab: int) -> _StopTable | None:
+        stops = tuple(s for s in stops if s)
+        if not stops:
+            return None
+        table = self._stop_tables.get(stops)
+        if table is None or table.could_complete.numel() < vocab:
+            pieces = self._token_pieces()
+            finals = {s[-1] for s in stops}
+            # A token can complete a stop only if its text holds the stop's last character, or
+            # it is a byte fragment of a multi-byte character (decodes to U+FFFD on its own).
+            flags = [any(c in p for c in finals) or _REPLACEMENT in p for p in pieces]
+            flags += [True] * max(0, vocab - len(flags))  # ids the tokenizer does not know
+            longest = max(len(s.encode("utf-8")) for s in stops)
+            table = _StopTable(stops, torch.tensor(flags, dtype=torch.bool), longest + 1)
+            self._stop_tables[stops] = table
+        return table
+
+    def _token_pieces(self) -> list[str]:
+        if self._pieces is None:
+            n = len(self.tokenizer)
+            self._pieces = self.tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+        return self._pieces
+
+    def _ends_in_stop(self, generated: torch.Tensor, table: _StopTable) -> bool:
+        # Earlier steps found no stop, so any occurrence now overlaps the newest token: a tail of
+        # `tail_tokens` tokens (each at least one byte) is enough to see it.
+        tail = self.tokenizer.decode(generated[-table.tail_tokens :].tolist(), skip_special_tokens=False)
+        return any(s in tail for s in table.stops)
+
+
+def _choose(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token per row and its log-prob under softmax(logits / scoring_temperature).
+
+    logits: [B, V] float32. Returns token [B] long, logprob [B] float32. Top-p only restricts
+    which tokens can be drawn; the reported log-prob is of the full distribution.
+    """
+    logp_all = torch.log_softmax(logits / sampling.scoring_temperature, dim=-1)
+    if sampling.greedy:
+        token = logp_all.argmax(dim=-1)
+    else:
+        probs = logp_all.exp()
+        if sampling.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            # Drop a token when the mass before it already reaches top_p (the first always stays).
+            sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p] = 0.0
+            pick = torch.multinomial(sorted_probs, 1, generator=generator)
+            token = order.gather(-1, pick).squeeze(-1)
+        else:
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _left_pad(
+    prompts: Sequence[Sequence[int]], width: int, max_new: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids [B, width] left-padded, attention mask [B, width + max_new] (prompt part set)."""
+    ids = [[pad_id] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) + [0] * max_new for p in prompts]
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (whose forward takes **kwargs)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _forward_kwarg_names(model: nn.Module) -> tuple[str, str | None]:
+    """(cache argument, logits-to-keep argument) of this transformers version's forward."""
+    params = inspect.signature(_base_model(model).forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+    keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+    return cache_kw, keep_kw
+
+
+def _new_cache(model: nn.Module):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=_base_model(model).config)
+    except TypeError:  # transformers < 4.56 builds its layers lazily and takes no config
+        return DynamicCache()
