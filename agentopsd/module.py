@@ -220,6 +220,15 @@ class AgentRLModule(L.LightningModule):
     # ------------------------------------------------------------------ update
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
+        metrics, loss = self.update(batch, batch_idx)
+        shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=batch.num_trajectories)
+        # the rich progress bar shows the rollout: success and turns per episode
+        self.log_dict(shown, on_step=True, prog_bar=True, batch_size=batch.num_trajectories)
+        return loss
+
+    def update(self, batch: RolloutBatch, batch_idx: int) -> tuple[dict[str, float], Tensor]:
+        """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss."""
         if batch.advantages is None:
             raise RuntimeError("the batch has no advantages: add callbacks.credit.CreditCallback to the Trainer's callbacks")
         t0 = time.perf_counter()
@@ -245,7 +254,7 @@ class AgentRLModule(L.LightningModule):
                     if algo.needs_teacher_logits:
                         loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
                     if first:
-                        ratio = torch.exp(lp - batch.old_logprobs[micro])[mask]
+                        ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
                         self.first_ratio_dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
                     self.manual_backward(loss)
                     losses.append(float(loss.detach()))
@@ -258,11 +267,9 @@ class AgentRLModule(L.LightningModule):
         metrics["loss/lr"] = float(opt.param_groups[0]["lr"])
         self.phase_seconds["update"] = time.perf_counter() - t0
         metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})
-        metrics.update(self.rollout_metrics)
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(self.phase_seconds["update"], 1e-9)
-        self.log_dict(metrics, on_step=True, prog_bar=False, batch_size=batch.num_trajectories)
-        self.log("rollout/success", self.rollout_metrics.get("rollout/success", 0.0), prog_bar=True, batch_size=batch.num_trajectories)
-        return torch.tensor(sum(losses) / max(len(losses), 1))
+        metrics.update(self.rollout_metrics)
+        return metrics, torch.tensor(sum(losses) / max(len(losses), 1))
 
     def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float) -> Tensor:
         with torch.no_grad():

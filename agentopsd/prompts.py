@@ -126,7 +126,12 @@ class PromptBuilder:
                 return ids
             if not window:
                 self.stats["prompt_overflow"] += 1
-                log.warning("prompt of %d tokens exceeds max_prompt_tokens=%d with no history left", len(ids), self.max_prompt_tokens)
+                n = self.stats["prompt_overflow"]
+                if n & (n - 1) == 0:  # warn at 1, 2, 4, 8, ... occurrences: counted, not a flood
+                    log.warning(
+                        "prompt of %d tokens exceeds max_prompt_tokens=%d with no history left (%d times so far); "
+                        "the current observation is never cut: raise env.max_prompt_tokens", len(ids), self.max_prompt_tokens, n
+                    )
                 return ids
             window = window[1:]
             self.stats["history_trimmed"] += 1

@@ -91,8 +91,10 @@ class SkillBank:
 
     @classmethod
     def for_env(cls, name: str, top_k: int = 1) -> SkillBank:
-        """Load the shipped skill file of an environment (``babyai``, ``webshop``, ``searchqa``, ``alfworld``)."""
-        return cls.from_file(SKILL_DIR / f"{name}.json", top_k=top_k)
+        """The shipped skill file of an environment (``babyai``, ``webshop``, ``searchqa``, ``alfworld``),
+        or a path to your own ``.json`` file in the same format."""
+        path = Path(name) if name.endswith(".json") else SKILL_DIR / f"{name}.json"
+        return cls.from_file(path, top_k=top_k)
 
     def match(self, skill_key: str, task: str = "") -> list[str]:
         """Names of the categories whose keywords hit, best first.

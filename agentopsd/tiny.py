@@ -16,7 +16,7 @@ from pathlib import Path
 import gymnasium as gym
 
 from agentopsd.prompts import FORMATS, HistoryEntry, PromptBuilder
-from agentopsd.skills import SKILL_DIR
+from agentopsd.skills import SkillBank
 
 DEFAULT_CACHE = Path(os.environ.get("AGENTOPSD_CACHE", Path.home() / ".cache" / "agentopsd"))
 
@@ -43,7 +43,9 @@ def environment_texts(env_id: str, episodes: int = 40, max_steps: int = 60, outp
     for instruction, _ in FORMATS.values():
         yield instruction
     if skills:
-        yield (SKILL_DIR / f"{skills}.json").read_text()
+        yield SkillBank.for_env(skills).retrieve("", "").render()
+        for cat in SkillBank.for_env(skills).categories:
+            yield "\n".join(cat.skills + cat.mistakes)
 
 
 def tiny_policy(
@@ -68,6 +70,6 @@ def tiny_policy(
     tokenizer = load_or_train_tokenizer(
         cache, key, lambda: environment_texts(env_id, text_episodes, output_format=output_format, skills=skills), vocab_size
     )
-    overrides = {"hidden_size": hidden_size, "num_hidden_layers": num_layers, "num_attention_heads": num_heads, "intermediate_size": intermediate_size}
+    overrides = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads, "intermediate_size": intermediate_size}
     model = build_tiny_policy(tokenizer, overrides, seed=seed)
     return model, tokenizer

@@ -85,7 +85,7 @@ class HFGenerator:
         input_ids, mask = input_ids.to(device), mask.to(device)
         position_ids = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         cache_kw, keep_kw = _forward_kwarg_names(model)
-        cache = _new_cache(model)
+        cache = _new_cache(model, capacity=width + max_new)
         can_shrink = hasattr(cache, "batch_select_indices")
         generator = None
         if sampling.seed is not None:
@@ -254,10 +254,74 @@ def _forward_kwarg_names(model: nn.Module) -> tuple[str, str | None]:
     return cache_kw, keep_kw
 
 
-def _new_cache(model: nn.Module):
+def _new_cache(model: nn.Module, capacity: int):
+    """A KV cache; preallocated for ``capacity`` positions where this transformers version allows.
+
+    transformers' DynamicCache grows by ``torch.cat`` each step, copying the whole cache: on CPU that
+    was half of a decode step (batch 16, 200-token prompts). Layers are swapped only when the cache
+    is built from plain ``DynamicLayer`` objects (transformers >= 4.56, no sliding window).
+    """
     from transformers import DynamicCache
 
     try:
-        return DynamicCache(config=_base_model(model).config)
+        cache = DynamicCache(config=_base_model(model).config)
     except TypeError:  # transformers < 4.56 builds its layers lazily and takes no config
         return DynamicCache()
+    layer_cls = _preallocated_layer_class()
+    layers = getattr(cache, "layers", None)
+    if layer_cls is not None and layers and all(type(layer).__name__ == "DynamicLayer" for layer in layers):
+        cache.layers = [layer_cls(capacity) for _ in layers]
+    return cache
+
+
+_PREALLOCATED: type | None = None
+
+
+def _preallocated_layer_class() -> type | None:
+    """A ``DynamicLayer`` writing into buffers of fixed capacity (built once, lazily)."""
+    global _PREALLOCATED
+    if _PREALLOCATED is not None:
+        return _PREALLOCATED
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int) -> None:
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            b, h, _, d_k = key_states.shape
+            shape_v = (b, h, self.capacity, value_states.shape[-1])
+            self.key_buf = key_states.new_empty(b, h, self.capacity, d_k)
+            self.value_buf = value_states.new_empty(shape_v)
+            self.length = 0
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = key_states.shape[-2]
+            if self.length + n > self.capacity:
+                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded")
+            self.key_buf[:, :, self.length : self.length + n] = key_states
+            self.value_buf[:, :, self.length : self.length + n] = value_states
+            self.length += n
+            self._refresh_views()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.is_initialized:
+                self.key_buf, self.value_buf = self.key_buf[indices], self.value_buf[indices]
+                self._refresh_views()
+
+        def _refresh_views(self) -> None:
+            self.keys = self.key_buf[:, :, : self.length]
+            self.values = self.value_buf[:, :, : self.length]
+
+    _PREALLOCATED = PreallocatedLayer
+    return _PREALLOCATED

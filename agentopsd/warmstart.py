@@ -1,0 +1,123 @@
+"""Supervised warm start on expert demonstrations stored as webdataset shards.
+
+The environment's expert plays training tasks; with probability ``noise`` a random
+admissible action is taken instead. Two kinds of samples are written:
+
+* student view (no skills): the label is the action actually taken, so the noisy actions
+  are imitated too: the warm-started policy is imperfect and RL has room to improve;
+* teacher view (skill block in the prompt): the label is always the expert's action, so the
+  model learns that the skill block means "act like the expert" and the teacher view
+  carries real information (its log-prob gap favours expert-like actions).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import torch
+import webdataset as wds
+
+from agentopsd.losses import token_logprobs
+from agentopsd.prompts import HistoryEntry, PromptBuilder
+from agentopsd.skills import SkillBank
+
+log = logging.getLogger(__name__)
+
+
+def write_demonstrations(
+    env_id: str, path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int
+) -> int:
+    """Play ``episodes`` expert episodes and write their turns to one tar shard (atomically)."""
+    rng = np.random.default_rng(seed)
+    bank = SkillBank.for_env(skills) if skills else None
+    env = gym.make(env_id, split="train", disable_env_checker=True)
+    n = env.unwrapped.num_tasks
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    count = 0
+    with wds.TarWriter(str(tmp)) as sink:
+        for ep in range(episodes):
+            obs, info = env.reset(seed=int(rng.integers(2**31 - 1)), options={"task_index": int(rng.integers(n))})
+            skill = bank.retrieve(info["skill_key"], info["task"]).render() if bank else ""
+            history: list[dict] = []
+            for _ in range(max_turns):
+                expert = env.unwrapped.expert_action()
+                admissible = info.get("admissible_actions") or [expert]
+                taken = str(rng.choice(admissible)) if rng.random() < noise else expert
+                sample = {"task": info["task"], "history": history[-4:], "observation": obs, "admissible": info.get("admissible_actions"),
+                          "skill": skill, "expert": expert, "taken": taken}
+                sink.write({"__key__": f"{ep:06d}_{len(history):03d}", "json": json.dumps(sample).encode()})
+                count += 1
+                history.append({"observation": obs, "action": taken})
+                obs, _, term, trunc, info = env.step(taken)
+                if term or trunc:
+                    break
+    env.close()
+    os.replace(tmp, path)
+    return count
+
+
+def _encode(builder: PromptBuilder, tokenizer, sample: dict, teacher: bool) -> tuple[list[int], list[int]]:
+    history = [HistoryEntry(h["observation"], h["action"]) for h in sample["history"]]
+    prompt = builder.build(sample["task"], history, sample["observation"], sample["admissible"], skill=sample["skill"] if teacher else "")
+    label = sample["expert"] if teacher else sample["taken"]
+    action = tokenizer.encode(f"<action>{label}</action>", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    return prompt, action
+
+
+def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float]:
+    """Write (or reuse) the demonstration shard, then train on it for ``cfg.seconds`` or ``cfg.steps``."""
+    shard = Path(out_dir) / f"demos-{cfg.episodes}-{cfg.noise}-{cfg.seed}.tar"
+    if not shard.exists():
+        t0 = time.perf_counter()
+        n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills, max_turns=env_cfg.max_turns)
+        log.info("wrote %d demonstration turns to %s in %.1fs", n, shard, time.perf_counter() - t0)
+    samples = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False)]
+    builder = PromptBuilder(tokenizer, output_format=env_cfg.output_format, history_window=env_cfg.history_window, max_prompt_tokens=env_cfg.max_prompt_tokens)
+    encoded = [_encode(builder, tokenizer, s, teacher=False) for s in samples]
+    if env_cfg.skills and cfg.teacher_fraction > 0:
+        rng = np.random.default_rng(cfg.seed)
+        chosen = rng.random(len(samples)) < cfg.teacher_fraction
+        encoded += [_encode(builder, tokenizer, s, teacher=True) for s, c in zip(samples, chosen) if c]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    total = cfg.steps
+    gen = torch.Generator().manual_seed(cfg.seed)
+    model.train()
+    t0, step, losses = time.perf_counter(), 0, []
+    while step < total and time.perf_counter() - t0 < cfg.seconds:
+        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * step / total))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(len(encoded), (cfg.batch_size,), generator=gen).tolist()
+        rows = [encoded[i] for i in idx]
+        width = max(len(p) + len(a) for p, a in rows)
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        target = torch.zeros_like(ids, dtype=torch.bool)
+        for r, (p, a) in enumerate(rows):
+            ids[r, : len(p) + len(a)] = torch.tensor(p + a)
+            attn[r, : len(p) + len(a)] = 1
+            target[r, len(p) : len(p) + len(a)] = True
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        lp = token_logprobs(logits, ids[:, 1:])
+        mask = target[:, 1:]
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss))
+        step += 1
+    stats = {"warm_start/steps": float(step), "warm_start/loss": float(np.mean(losses[-20:])) if losses else float("nan"),
+             "warm_start/seconds": time.perf_counter() - t0, "warm_start/samples": float(len(encoded))}
+    log.info("warm start: %s", stats)
+    print(f"warm start: {step} steps in {stats['warm_start/seconds']:.0f}s, final loss {stats['warm_start/loss']:.3f}")
+    return stats
