@@ -16,10 +16,12 @@ def default_callbacks(cfg, output_dir: Path) -> list:
     """The callbacks train.py attaches: credit, evaluation, checkpoints, rollout shards, progress bar."""
     from lightning.pytorch.callbacks import RichProgressBar
 
-    return [
+    callbacks = [
         CreditCallback(),
         EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations),
         IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations),
         RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
-        RichProgressBar(leave=True),
     ]
+    if cfg.trainer.get("enable_progress_bar", True):
+        callbacks.append(RichProgressBar(leave=True))
+    return callbacks

@@ -1,0 +1,142 @@
+"""Every config group composes and instantiates; bad values fail fast with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from agentopsd.algorithms import Algorithm
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def cfg_for(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+
+
+def _resolve(cfg):
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+@pytest.mark.parametrize("name", options("algorithm"))
+def test_algorithms_instantiate(name):
+    algo = instantiate(_resolve(cfg_for(f"algorithm={name}")).algorithm)
+    assert isinstance(algo, Algorithm) and algo.name == name
+    assert algo.eps_high == 0.24 and algo.eps_low == 0.2
+
+
+@pytest.mark.parametrize("name", options("env"))
+def test_envs_instantiate(name):
+    cfg = _resolve(cfg_for(f"env={name}"))
+    env = instantiate(cfg.env)
+    assert isinstance(env, EnvConfig)
+    validate_config(cfg)  # the id is registered
+
+
+@pytest.mark.parametrize("name", options("rollout"))
+def test_rollouts_instantiate(name):
+    assert isinstance(instantiate(_resolve(cfg_for(f"rollout={name}")).rollout), RolloutConfig)
+
+
+@pytest.mark.parametrize("name", options("trainer"))
+def test_trainers_compose(name):
+    cfg = _resolve(cfg_for(f"trainer={name}"))
+    assert cfg.trainer._target_ == "lightning.Trainer"
+    if name == "cpu":
+        trainer = instantiate(cfg.trainer, logger=False)
+        assert trainer.max_epochs == 1
+
+
+@pytest.mark.parametrize("name", options("logger"))
+def test_loggers_compose(name, tmp_path):
+    cfg = _resolve(cfg_for(f"logger={name}", f"output_dir={tmp_path}"))
+    assert len(cfg.logger) >= 1
+    if name == "default":
+        assert [type(instantiate(lg)).__name__ for lg in cfg.logger] == ["TensorBoardLogger", "CSVLogger"]
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_models_compose(name):
+    cfg = _resolve(cfg_for(f"model={name}"))
+    assert cfg.model._target_ in ("agentopsd.tiny.tiny_policy", "agentopsd.models.load_policy")
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiments_compose(name):
+    cfg = _resolve(cfg_for(f"experiment={name}"))
+    assert cfg.name == name
+    for key in ("optim", "evaluation", "rollout", "env", "algorithm"):
+        instantiate(cfg[key])
+    assert isinstance(instantiate(cfg.optim), OptimConfig) and isinstance(instantiate(cfg.evaluation), EvalConfig)
+    if name.endswith(("_3b", "_7b")):
+        # the paper's setups (Appendix F)
+        assert cfg.data.group_size == 8 and cfg.data.tasks_per_batch == 16 and cfg.optim.lr == 1e-6
+        assert cfg.algorithm.mult_lambda == 0.5 and cfg.algorithm.mult_band == 0.2 and cfg.algorithm.gap_decay_gamma == 0.95
+        assert cfg.rollout.backend == "vllm" and cfg.trainer.strategy._target_.endswith("ModelParallelStrategy")
+        assert cfg.env.max_turns == {"alfworld": 50, "webshop": 15, "searchqa": 4}[name.split("_")[0]]
+
+
+def test_default_is_quickstart():
+    assert _resolve(cfg_for()).name == "quickstart"
+
+
+def test_plus_experiment_spelling_is_accepted():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_entry", CONF.parent / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    assert train._accept_plus_experiment(["train.py", "+experiment=webshop_3b", "seed=1"]) == ["train.py", "experiment=webshop_3b", "seed=1"]
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("data.group_size=1", "data.group_size"),
+        ("algorithm.mult_band=1.5", "algorithm.mult_band"),
+        ("algorithm.mult_band=0", "algorithm.mult_band"),
+        ("algorithm.mult_lambda=2", "algorithm.mult_lambda"),
+        ("env.id=agentopsd/Nope-v0", "env.id"),
+        ("optim.num_mini_batches=1000", "optim.num_mini_batches"),
+        ("num_iterations=0", "num_iterations"),
+    ],
+)
+def test_bad_values_fail_fast(override, field):
+    with pytest.raises(ConfigError) as err:
+        validate_config(_resolve(cfg_for(override)))
+    message = str(err.value)
+    assert field in message and "\n" not in message
+
+
+def test_missing_weights_fail_in_seconds(monkeypatch):
+    import time
+
+    from agentopsd.models import ModelNotFoundError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = _resolve(cfg_for("experiment=webshop_3b", "model.path=/nonexistent/Qwen2.5-3B-Instruct"))
+    t0 = time.perf_counter()
+    with pytest.raises(ModelNotFoundError, match="model.path"):
+        validate_config(cfg)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_ckpt_path_last_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match="ckpt_path"):
+        resolve_ckpt_path("last", tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    assert resolve_ckpt_path("last", tmp_path).endswith("last.ckpt")
