@@ -9,6 +9,7 @@ with manual optimization.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -74,6 +75,8 @@ class AgentRLModule(L.LightningModule):
             greedy=greedy,
             stop_strings=self.prompts.stop_strings,
         )
+        # a frozen copy of the initial policy, only when the KL penalty is on (it doubles memory)
+        self.ref_model = copy.deepcopy(model).requires_grad_(False).eval() if algorithm.kl_coef > 0 else None
         self._collector: Collector | None = None
         self.phase_seconds: dict[str, float] = {}
         self.rollout_metrics: dict[str, float] = {}
@@ -144,6 +147,8 @@ class AgentRLModule(L.LightningModule):
                 rb.student_logprobs = rb.old_logprobs
                 if self.algorithm.needs_teacher:
                     rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
+                if self.ref_model is not None:
+                    rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
             t_teacher = time.perf_counter() - t0
         finally:
             self.model.train(was_training)
@@ -172,7 +177,7 @@ class AgentRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ scoring
 
-    def _action_logits(self, ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor]:
+    def _action_logits(self, ids: Tensor, attn: Tensor, amask: Tensor, model: nn.Module | None = None) -> tuple[Tensor, Tensor]:
         """Logits predicting each action token, flattened row-major ``[n, V]``, and those tokens ``[n]``.
 
         Only the positions before action tokens go through the LM head: prompts are long and
@@ -182,15 +187,18 @@ class AgentRLModule(L.LightningModule):
         ids, attn, amask = ids[:, :width], attn[:, :width], amask[:, :width]
         source = torch.zeros_like(amask)
         source[:, :-1] = amask[:, 1:]  # the hidden state at j-1 predicts token j
-        decoder, head = getattr(self.model, "get_decoder", lambda: None)(), getattr(self.model, "get_output_embeddings", lambda: None)()
+        model = self.model if model is None else model
+        decoder, head = getattr(model, "get_decoder", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)()
         if decoder is not None and head is not None:
             hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
             logits = head(hidden[source])
         else:
-            logits = self.model(input_ids=ids, attention_mask=attn).logits[source]
+            logits = model(input_ids=ids, attention_mask=attn).logits[source]
         return logits, ids[amask]
 
-    def action_logprobs(self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False) -> Tensor:
+    def action_logprobs(
+        self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False, model: nn.Module | None = None
+    ) -> Tensor:
         """log pi(a_k,t | view) at the student's action positions, ``[m, L]`` (0 elsewhere).
 
         ``view`` is ``student`` (h_k) or ``teacher`` (h+_k, the skill-augmented context). The
@@ -211,7 +219,7 @@ class AgentRLModule(L.LightningModule):
         with torch.set_grad_enabled(grad and view == "student"):
             for start in range(0, ids.shape[0], step):
                 sl = slice(start, start + step)
-                logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl])
+                logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl], model)
                 pieces.append(token_logprobs(logits / temperature, targets))
         # boolean indexing is row-major, so the two views' action tokens line up one to one
         out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
@@ -250,6 +258,7 @@ class AgentRLModule(L.LightningModule):
                     loss, st = clipped_policy_loss(
                         lp, batch.old_logprobs[micro], batch.advantages[micro], mask,
                         eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
+                        ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[micro], kl_coef=algo.kl_coef,
                     )
                     if algo.needs_teacher_logits:
                         loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)

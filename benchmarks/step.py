@@ -1,0 +1,113 @@
+"""Iteration costs, measured side by side in one run on the same model and rollouts.
+
+    python benchmarks/step.py [--env agentopsd/BabyAI-GoToLocal-v0] [--envs 64]
+
+Prints three figures:
+1. AgentOPSD iteration time / GRPO iteration time (target <= 1.3: one extra no-grad forward);
+2. lockstep batched rollouts / a per-environment sequential loop, environment turns per second
+   at 64 environments (target >= 10x);
+3. the credit step's share of an AgentOPSD iteration (target < 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import envs  # noqa: F401
+from agentopsd.algorithms import AgentOPSD, Algorithm
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.data import TaskBatch, collate_trajectories, sample_tasks
+from agentopsd.module import AgentRLModule
+from agentopsd.tiny import tiny_policy
+
+
+def build(env_id: str, skills: str, algorithm, model, tokenizer, max_turns: int) -> AgentRLModule:
+    module = AgentRLModule(
+        copy.deepcopy(model), tokenizer, algorithm=algorithm,
+        env=EnvConfig(id=env_id, skills=skills, max_turns=max_turns),
+        rollout=RolloutConfig(max_new_tokens=12),
+        optim=OptimConfig(lr=1e-4, ppo_epochs=1, num_mini_batches=2, micro_batch_size=64),
+        evaluation=EvalConfig(num_tasks=1), num_iterations=10,
+    )
+    module.trainer = None
+    return module
+
+
+class _NoTrainer:
+    """Just enough of a Trainer for ``update`` outside ``fit``: plain backward, plain optimizer."""
+
+    def __init__(self, module: AgentRLModule) -> None:
+        cfg = module.configure_optimizers()
+        self.opt, self.sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+        module.optimizers = lambda: self.opt
+        module.lr_schedulers = lambda: self.sched
+        module.manual_backward = lambda loss: loss.backward()
+
+
+def iteration_seconds(module: AgentRLModule, trajectories, repeats: int = 3) -> tuple[float, float]:
+    """Seconds of everything after the rollout (collate, teacher forward, credit, update), and of credit alone."""
+    _NoTrainer(module)
+    best, credit_best = float("inf"), float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        batch = collate_trajectories(trajectories, module.pad_id)
+        with torch.no_grad():
+            batch.student_logprobs = batch.old_logprobs
+            if module.algorithm.needs_teacher:
+                batch.teacher_logprobs = module.action_logprobs(batch, "teacher")
+        t1 = time.perf_counter()
+        module.algorithm.assign(batch)
+        credit = time.perf_counter() - t1
+        module.update(batch, 0)
+        best, credit_best = min(best, time.perf_counter() - t0), min(credit_best, credit)
+    return best, credit_best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--env", default="agentopsd/BabyAI-GoToLocal-v0")
+    parser.add_argument("--skills", default="babyai")
+    parser.add_argument("--envs", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=8)
+    args = parser.parse_args()
+    model, tokenizer = tiny_policy(args.env, skills=args.skills)
+    tasks = sample_tasks(args.env, 50, args.envs // 8, 8, 0, seed=0)
+
+    # 1 + 3: the same rollouts, scored and updated by each algorithm from the same weights
+    grpo = build(args.env, args.skills, Algorithm(), model, tokenizer, args.max_turns)
+    opsd = build(args.env, args.skills, AgentOPSD(), model, tokenizer, args.max_turns)
+    t0 = time.perf_counter()
+    opsd.model.eval()
+    trajectories = opsd.collector.collect(tasks, with_teacher=True)
+    rollout_s = time.perf_counter() - t0
+    opsd.model.train()
+    t_grpo, _ = iteration_seconds(grpo, trajectories)
+    t_opsd, t_credit = iteration_seconds(opsd, trajectories)
+    total_grpo, total_opsd = rollout_s + t_grpo, rollout_s + t_opsd
+    print(f"iteration: rollout {rollout_s:.2f}s | GRPO update {t_grpo:.2f}s | AgentOPSD teacher+credit+update {t_opsd:.2f}s")
+    print(f"[1] AgentOPSD / GRPO iteration time: {total_opsd / total_grpo:.3f} (target <= 1.3)")
+    print(f"[3] credit share of an AgentOPSD iteration: {100 * t_credit / total_opsd:.3f}% ({t_credit * 1e3:.2f} ms; target < 1%)")
+
+    # 2: lockstep against one environment at a time, same model and turn limit
+    collector = grpo.collector
+    grpo.model.eval()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    batched = collector.collect(tasks, with_teacher=False)
+    t_batched = time.perf_counter() - t0
+    turns_batched = sum(len(t.turns) for t in batched)
+    subset = tasks[:8]  # the sequential loop is slow: time 8 episodes and compare rates
+    t0 = time.perf_counter()
+    sequential = [collector.collect([task], with_teacher=False)[0] for task in subset]
+    t_seq = time.perf_counter() - t0
+    turns_seq = sum(len(t.turns) for t in sequential)
+    rate_b, rate_s = turns_batched / t_batched, turns_seq / t_seq
+    print(f"[2] lockstep {rate_b:.1f} env turns/s ({len(tasks)} envs) vs sequential {rate_s:.1f} turns/s: {rate_b / rate_s:.1f}x (target >= 10x)")
+
+
+if __name__ == "__main__":
+    main()
