@@ -52,6 +52,8 @@ class RolloutConfig:
     """Score the behaviour log-probs with the training forward (needed when the backend's numerics differ, e.g. vLLM)."""
     vllm: dict = field(default_factory=dict)
     """Engine arguments of the vLLM backend."""
+    malformed_rate: float = 0.0
+    """Replace this share of generations with garbage text (reliability tests only)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):

@@ -98,7 +98,12 @@ class AgentRLModule(L.LightningModule):
 
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         # under sharding every rank must run every forward, or ranks that finish early hang
-        return HFGenerator(self.model, self.tokenizer, synced_gpus=distributed)
+        generator = HFGenerator(self.model, self.tokenizer, synced_gpus=distributed)
+        if self.rollout_cfg.malformed_rate > 0:
+            from agentopsd.rollout.chaos import MalformedGenerator
+
+            generator = MalformedGenerator(generator, self.rollout_cfg.malformed_rate, seed=self.seed)
+        return generator
 
     @property
     def collector(self) -> Collector:
@@ -155,6 +160,8 @@ class AgentRLModule(L.LightningModule):
         self.iteration = batch.iteration
         self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
         self.rollout_metrics = self._rollout_metrics(trajectories, collector)
+        # faulted trajectories are left out of the update: this says how many were used
+        self.rollout_metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         return rb
 
     @staticmethod
@@ -273,6 +280,7 @@ class AgentRLModule(L.LightningModule):
                 self._optimizer_step(opt, sched, stats_log)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
         metrics["loss/first_ratio_dev"] = self.first_ratio_dev
+        metrics["rollout/iteration"] = float(self.iteration)
         metrics["loss/lr"] = float(opt.param_groups[0]["lr"])
         self.phase_seconds["update"] = time.perf_counter() - t0
         metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})

@@ -36,6 +36,11 @@ class IterationCheckpoint(L.Callback):
                 os.link(tmp, numbered) if not numbered.exists() else None
             os.replace(tmp, self.last_path)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and self.dirpath.is_dir():
+            for stale in self.dirpath.glob(".last.ckpt.tmp*"):  # left by a killed process
+                stale.unlink()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if (pl_module.iteration + 1) % self.every_n_iterations == 0:
             self._save(trainer, pl_module.iteration + 1)

@@ -55,6 +55,12 @@ class RolloutShardWriter(L.Callback):
         self.every_n_iterations = every_n_iterations
         self.max_samples = max_samples
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        # a process killed mid-write leaves only a temporary file behind: remove it
+        if trainer.is_global_zero and self.dirpath.is_dir():
+            for stale in self.dirpath.glob(".rollouts-*.tmp*"):
+                stale.unlink()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not isinstance(batch, RolloutBatch) or not trainer.is_global_zero:
             return

@@ -139,9 +139,10 @@ def _task_desc(task_type: str, obj: str, parent: str, toggle: str, rng: random.R
     return template.format(obj=obj.lower(), recep=parent.lower(), toggle=toggle.lower(), mrecep="")
 
 
-def sample_scene(split: str, index: int, attempt: int = 0) -> Scene:
-    """Draw task ``index`` of ``split`` (a pure function of its arguments)."""
-    rng = random.Random(f"agentopsd-alfworld/{GENERATOR_VERSION}/{split}/{index}/{attempt}")
+def sample_scene(split: str, index: int, attempt: int = 0, seed: int = 0) -> Scene:
+    """Draw task ``index`` of ``split`` (a pure function of its arguments; ``seed`` picks another set)."""
+    suffix = f"/seed{seed}" if seed else ""
+    rng = random.Random(f"agentopsd-alfworld/{GENERATOR_VERSION}/{split}/{index}/{attempt}{suffix}")
     task_type = TASK_TYPES[index % len(TASK_TYPES)]
     room = ROOMS[rng.choice(TASK_ROOMS[task_type])]
     receptacles = _sample_receptacles(room, rng)
@@ -172,7 +173,7 @@ def sample_scene(split: str, index: int, attempt: int = 0) -> Scene:
         counts[cls] = counts.get(cls, 0) + 1
         numbered.append((f"{cls}_bar_{counts[cls]:02d}", cls, spot))
     return Scene(
-        task_id=f"agentopsd_{split}_{index:05d}",
+        task_id=f"agentopsd_{split}_{index:05d}" + (f"_seed{seed}" if seed else ""),
         task_type=task_type,
         room=room.name,
         object_target=obj,
@@ -220,7 +221,7 @@ def render_problem(scene: Scene) -> str:
     return "\n".join(lines) + "\n" + goal.replace("#", "-").strip() + "\n"
 
 
-def traj_data(scene: Scene, split: str, index: int, attempt: int, expert_plan: list[str]) -> dict:
+def traj_data(scene: Scene, split: str, index: int, attempt: int, seed: int, expert_plan: list[str]) -> dict:
     return {
         "task_id": scene.task_id,
         "task_type": scene.task_type,
@@ -237,6 +238,7 @@ def traj_data(scene: Scene, split: str, index: int, attempt: int, expert_plan: l
             "generator": GENERATOR_VERSION,
             "split": split,
             "index": index,
+            "scene_seed": seed,
             "attempt": attempt,
             "expert_plan": expert_plan,
             "expert_steps": len(expert_plan),
@@ -263,30 +265,31 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(base).expanduser() / f"{GENERATOR_VERSION}-alfworld{metadata.version('alfworld')}"
 
 
-def task_dir(root: Path, split: str, index: int) -> Path:
-    return root / split / f"{index:05d}-{TASK_TYPES[index % len(TASK_TYPES)]}"
+def task_dir(root: Path, split: str, index: int, seed: int = 0) -> Path:
+    folder = split if seed == 0 else f"{split}-seed{seed}"
+    return root / folder / f"{index:05d}-{TASK_TYPES[index % len(TASK_TYPES)]}"
 
 
-def ensure_task(root: Path, split: str, index: int, verify: Verifier) -> Path:
+def ensure_task(root: Path, split: str, index: int, verify: Verifier, seed: int = 0) -> Path:
     """The game directory of task ``index``, generated (and expert-verified) on first use."""
     if split not in SIZES:
         raise ValueError(f"unknown split {split!r}: choose one of {sorted(SIZES)}")
-    final = task_dir(root, split, index)
+    final = task_dir(root, split, index, seed)
     if (final / GAME_FILE).is_file() and (final / TRAJ_FILE).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(MAX_ATTEMPTS):
-        scene = sample_scene(split, index, attempt)
+        scene = sample_scene(split, index, attempt, seed)
         # Written aside and renamed into place, so concurrent workers never see half a game.
         with tempfile.TemporaryDirectory(dir=final.parent, prefix=".tmp-") as tmp:
             work = Path(tmp) / "game"
             work.mkdir()
             _dump(work / GAME_FILE, game_data(scene))
-            _dump(work / TRAJ_FILE, traj_data(scene, split, index, attempt, []))
+            _dump(work / TRAJ_FILE, traj_data(scene, split, index, attempt, seed, []))
             plan = verify(work / GAME_FILE)
             if plan is None:
                 continue
-            _dump(work / TRAJ_FILE, traj_data(scene, split, index, attempt, plan))
+            _dump(work / TRAJ_FILE, traj_data(scene, split, index, attempt, seed, plan))
             try:
                 os.rename(work, final)
             except OSError:
@@ -294,3 +297,4 @@ def ensure_task(root: Path, split: str, index: int, verify: Verifier) -> Path:
                     raise
             return final
     raise RuntimeError(f"no expert-solvable scene for {split} task {index} in {MAX_ATTEMPTS} attempts")
+

@@ -116,17 +116,7 @@ class HFGenerator:
             out_tokens[live_rows, step] = token_cpu[alive]
             out_logps[live_rows, step] = logp_cpu[alive]
             n_generated[live_rows] = step + 1
-            finished = alive & torch.isin(token_cpu, eos_ids)
-            for r in finished.nonzero().flatten().tolist():
-                reasons[int(rows[r])] = "eos"
-            if stop_table is not None:
-                candidates = alive & ~finished & stop_table.could_complete[token_cpu]
-                for r in candidates.nonzero().flatten().tolist():
-                    i = int(rows[r])
-                    if self._ends_in_stop(out_tokens[i, : step + 1], stop_table):
-                        finished[r] = True
-                        reasons[i] = "stop"
-            alive &= ~finished
+            alive &= ~self._finished(token_cpu, alive, rows, out_tokens[:, : step + 1], eos_ids, stop_table, reasons)
             local_done = not bool(alive.any())
             if step == max_new - 1 or self._all_done(local_done, device):
                 break
@@ -145,6 +135,33 @@ class HFGenerator:
         tokens = [out_tokens[i, :n].tolist() for i, n in enumerate(counts)]
         logps = [out_logps[i, :n].tolist() for i, n in enumerate(counts)]
         return tokens, logps, reasons
+
+    def _finished(
+        self,
+        token: torch.Tensor,
+        alive: torch.Tensor,
+        rows: torch.Tensor,
+        generated: torch.Tensor,
+        eos_ids: torch.Tensor,
+        stop_table: _StopTable | None,
+        reasons: list[str],
+    ) -> torch.Tensor:
+        """[b] bool: live cache rows whose newest token is an eos or completes a stop string.
+
+        token/alive/rows are per cache row; generated [B, steps] and reasons are per prompt.
+        """
+        finished = alive & torch.isin(token, eos_ids)
+        for r in finished.nonzero().flatten().tolist():
+            reasons[int(rows[r])] = "eos"
+        if stop_table is None:
+            return finished
+        candidates = alive & ~finished & stop_table.could_complete[token]
+        for r in candidates.nonzero().flatten().tolist():
+            i = int(rows[r])
+            if self._ends_in_stop(generated[i], stop_table):
+                finished[r] = True
+                reasons[i] = "stop"
+        return finished
 
     def _all_done(self, local_done: bool, device: torch.device) -> bool:
         if not (self.synced_gpus and dist.is_available() and dist.is_initialized()):
@@ -179,9 +196,12 @@ class HFGenerator:
         if table is None or table.could_complete.numel() < vocab:
             pieces = self._token_pieces()
             finals = {s[-1] for s in stops}
-            # A token can complete a stop only if its text holds the stop's last character, or
-            # it is a byte fragment of a multi-byte character (decodes to U+FFFD on its own).
-            flags = [any(c in p for c in finals) or _REPLACEMENT in p for p in pieces]
+            # A token can complete a stop only if its text holds the stop's last character, or, for
+            # a non-ASCII stop, if it is a byte fragment of a multi-byte character (U+FFFD alone).
+            fragments = not all(s.isascii() for s in stops)
+            flags = [any(c in p for c in finals) or (fragments and _REPLACEMENT in p) for p in pieces]
+            if any(c.isspace() for c in finals):  # SentencePiece drops a lone token's leading space
+                flags = [True] * len(flags)
             flags += [True] * max(0, vocab - len(flags))  # ids the tokenizer does not know
             longest = max(len(s.encode("utf-8")) for s in stops)
             table = _StopTable(stops, torch.tensor(flags, dtype=torch.bool), longest + 1)
@@ -190,8 +210,12 @@ class HFGenerator:
 
     def _token_pieces(self) -> list[str]:
         if self._pieces is None:
-            n = len(self.tokenizer)
-            self._pieces = self.tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+            ids = [[i] for i in range(len(self.tokenizer))]
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)  # fast tokenizers: ~15x quicker
+            if backend is not None:
+                self._pieces = backend.decode_batch(ids, skip_special_tokens=False)
+            else:
+                self._pieces = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
         return self._pieces
 
     def _ends_in_stop(self, generated: torch.Tensor, table: _StopTable) -> bool:

