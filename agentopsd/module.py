@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from agentopsd.algorithms import Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import TaskBatch, collate_trajectories
+from agentopsd.distributed import all_max, is_distributed, rank_and_world, shard_groups
 from agentopsd.evaluation import evaluate_trajectories
 from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logprobs
 from agentopsd.prompts import PromptBuilder
@@ -78,12 +79,31 @@ class AgentRLModule(L.LightningModule):
         # a frozen copy of the initial policy, only when the KL penalty is on (it doubles memory)
         self.ref_model = copy.deepcopy(model).requires_grad_(False).eval() if algorithm.kl_coef > 0 else None
         self._collector: Collector | None = None
+        self._sharded = False
+        """True once configure_model applied FSDP2: forwards become collectives."""
         self.phase_seconds: dict[str, float] = {}
         self.rollout_metrics: dict[str, float] = {}
         self.first_ratio_dev: float = float("nan")
         """max |ratio - 1| on the first mini-batch of the last iteration (0 when on-policy)."""
         self.eval_history: list[dict[str, float]] = []
         self.iteration = 0
+
+    # ------------------------------------------------------------------ sharding
+
+    def configure_model(self) -> None:
+        """FSDP2 under ``ModelParallelStrategy``: shard each decoder layer, then the root."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._sharded or self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        for layer in layers if layers is not None else []:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self._sharded = True
 
     # ------------------------------------------------------------------ rollout
 
@@ -141,8 +161,12 @@ class AgentRLModule(L.LightningModule):
         try:
             collector = self.collector
             collector.generator.sync_weights(self.model)
+            rank, world = rank_and_world()
+            tasks = batch.tasks
+            if world > 1:  # each rank plays whole groups of its own
+                tasks = tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
             t0 = time.perf_counter()
-            trajectories = collector.collect(batch.tasks, with_teacher=self.algorithm.needs_teacher)
+            trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
             t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
@@ -196,7 +220,8 @@ class AgentRLModule(L.LightningModule):
         source[:, :-1] = amask[:, 1:]  # the hidden state at j-1 predicts token j
         model = self.model if model is None else model
         decoder, head = getattr(model, "get_decoder", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)()
-        if decoder is not None and head is not None:
+        # a sharded root gathers its own parameters (embeddings, head) only when called itself
+        if decoder is not None and head is not None and not self._sharded:
             hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
             logits = head(hidden[source])
         else:
@@ -223,11 +248,16 @@ class AgentRLModule(L.LightningModule):
             ids, attn, amask = batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows]
         step = self.optim_cfg.micro_batch_size
         pieces = []
+        starts = list(range(0, ids.shape[0], step))
+        # under sharding every forward is a collective: ranks with fewer rows run dummy forwards
+        padding = all_max(len(starts), self.device) - len(starts) if self._sharded else 0
         with torch.set_grad_enabled(grad and view == "student"):
-            for start in range(0, ids.shape[0], step):
+            for start in starts:
                 sl = slice(start, start + step)
                 logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl], model)
                 pieces.append(token_logprobs(logits / temperature, targets))
+            for _ in range(padding):
+                self._action_logits(ids[:1], attn[:1], amask[:1], model)
         # boolean indexing is row-major, so the two views' action tokens line up one to one
         out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
         return out
@@ -256,10 +286,15 @@ class AgentRLModule(L.LightningModule):
         first = True
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(batch.num_rows, generator=gen).to(self.device)
-            for mb in perm.chunk(cfg.num_mini_batches):
+            # tensor_split always gives num_mini_batches pieces, so every rank steps the optimizer alike
+            for mb in torch.tensor_split(perm, cfg.num_mini_batches):
                 opt.zero_grad(set_to_none=True)
-                normalizer = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
-                for micro in mb.split(cfg.micro_batch_size):
+                normalizer = max(1.0, float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb)))
+                micros = list(mb.split(cfg.micro_batch_size))
+                # DDP all-reduces and FSDP reduce-scatters in every backward: pad to the ranks' maximum
+                for _ in range(all_max(len(micros), self.device) - len(micros) if is_distributed() else 0):
+                    self.manual_backward(self.action_logprobs(batch, "student", perm[:1], grad=True).sum() * 0.0)
+                for micro in micros:
                     lp = self.action_logprobs(batch, "student", micro, grad=True)
                     mask = batch.action_mask[micro]
                     loss, st = clipped_policy_loss(
@@ -358,8 +393,10 @@ class AgentRLModule(L.LightningModule):
 
         import numpy as np
 
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        # plain types only: checkpoints load with torch.load(weights_only=True), which rejects numpy arrays
         checkpoint["agentopsd"] = {
-            "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+            "rng": {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)], "python": random.getstate()},
             "eval_history": self.eval_history,
             "iteration": self.iteration,
         }
@@ -373,7 +410,8 @@ class AgentRLModule(L.LightningModule):
         if not extra:
             return
         torch.set_rng_state(extra["rng"]["torch"])
-        np.random.set_state(extra["rng"]["numpy"])
+        name, keys, pos, has_gauss, gauss = extra["rng"]["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
         random.setstate(extra["rng"]["python"])
         self.eval_history = list(extra.get("eval_history", []))
         self.iteration = int(extra.get("iteration", 0))

@@ -50,6 +50,8 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
     if ckpt_path is None:
         return None
     path = output_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if not path.is_file():
+    if ckpt_path == "last" and not path.exists() and path.with_name(".last.ckpt.old").exists():
+        path = path.with_name(".last.ckpt.old")  # killed between the two renames of a checkpoint swap
+    if not path.exists():  # a file, or a directory of shards under FSDP
         raise ConfigError(f"ckpt_path={ckpt_path!r}: no checkpoint at {path}; run without ckpt_path to start fresh")
     return str(path)

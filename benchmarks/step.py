@@ -20,7 +20,7 @@ import torch
 import envs  # noqa: F401
 from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
-from agentopsd.data import TaskBatch, collate_trajectories, sample_tasks
+from agentopsd.data import collate_trajectories, sample_tasks
 from agentopsd.module import AgentRLModule
 from agentopsd.tiny import tiny_policy
 

@@ -1,46 +1,70 @@
-"""IterationCheckpoint: ``last.ckpt`` (and numbered copies) every N iterations, written atomically."""
+"""IterationCheckpoint: ``last.ckpt`` every N iterations, written atomically.
+
+Under FSDP2 a checkpoint is a directory of shards written by every rank; otherwise one file
+written by rank 0. Either way it is written under a temporary name and renamed, so a process
+killed mid-write never leaves a truncated ``last.ckpt`` behind.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import lightning as L
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 class IterationCheckpoint(L.Callback):
-    """Saves weights, optimizer, schedulers, RNG state and the task-stream position.
+    """Saves weights, optimizer, schedulers, RNG state and the task-stream position."""
 
-    Writes go to a temporary name and are renamed, so a process killed mid-write never leaves
-    a truncated ``last.ckpt`` behind.
-    """
-
-    def __init__(self, dirpath: str, every_n_iterations: int = 10, keep_numbered: bool = False) -> None:
+    def __init__(self, dirpath: str, every_n_iterations: int = 10) -> None:
         if every_n_iterations < 1:
             raise ValueError(f"checkpoint.every_n_iterations must be >= 1, got {every_n_iterations}")
         self.dirpath = Path(dirpath)
         self.every_n_iterations = every_n_iterations
-        self.keep_numbered = keep_numbered
 
     @property
     def last_path(self) -> Path:
         return self.dirpath / "last.ckpt"
 
-    def _save(self, trainer: L.Trainer, iteration: int) -> None:
-        self.dirpath.mkdir(parents=True, exist_ok=True)
-        tmp = self.dirpath / f".last.ckpt.tmp{os.getpid()}"
-        trainer.save_checkpoint(str(tmp))
-        if trainer.is_global_zero:
-            if self.keep_numbered:
-                numbered = self.dirpath / f"iter-{iteration:06d}.ckpt"
-                os.link(tmp, numbered) if not numbered.exists() else None
-            os.replace(tmp, self.last_path)
+    @property
+    def _tmp(self) -> Path:
+        return self.dirpath / ".last.ckpt.tmp"  # one name on every rank: shards of one checkpoint
+
+    @property
+    def _old(self) -> Path:
+        return self.dirpath / ".last.ckpt.old"
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and self.dirpath.is_dir():
-            for stale in self.dirpath.glob(".last.ckpt.tmp*"):  # left by a killed process
-                stale.unlink()
+            _remove(self._tmp)  # left by a process killed while writing
+            if self._old.exists() and not self.last_path.exists():
+                os.replace(self._old, self.last_path)  # killed between the two renames of a swap
+            _remove(self._old)
+        trainer.strategy.barrier()
+
+    def save(self, trainer: L.Trainer) -> None:
+        if trainer.is_global_zero:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+            _remove(self._tmp)
+        trainer.strategy.barrier()
+        trainer.save_checkpoint(str(self._tmp))
+        trainer.strategy.barrier()
+        if trainer.is_global_zero:
+            if self.last_path.is_dir():  # a directory cannot be replaced in one rename
+                os.replace(self.last_path, self._old)
+            os.replace(self._tmp, self.last_path)
+            _remove(self._old)
+        trainer.strategy.barrier()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if (pl_module.iteration + 1) % self.every_n_iterations == 0:
-            self._save(trainer, pl_module.iteration + 1)
+        done = pl_module.iteration + 1
+        if done % self.every_n_iterations == 0 or done == pl_module.num_iterations:  # and at the end
+            self.save(trainer)

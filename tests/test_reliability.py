@@ -52,7 +52,7 @@ def test_sigkill_between_checkpoints_then_resume(tmp_path):
 def test_faults_and_garbage_do_not_stop_training(tmp_path):
     out = tmp_path / "faulty"
     proc = run_train(
-        "experiment=babyai_tiny", f"output_dir={out}", "num_iterations=20", "env.fault_rate=0.05", "rollout.malformed_rate=0.05",
+        "experiment=babyai_tiny", f"output_dir={out}", "num_iterations=20", "+env.fault_rate=0.05", "+rollout.malformed_rate=0.05",
         "data.group_size=4", "trainer.enable_progress_bar=false", "evaluation.num_tasks=2", "checkpoint.every_n_iterations=10",
         "rollout_log.every_n_iterations=10",
     )

@@ -81,5 +81,5 @@ def test_resume_continues_the_task_stream(tmp_path):
         want = {(t.group_id, t.task_index) for t in sample_tasks(env_id, num_tasks, 2, 4, it, seed=0)}
         got = {(r["group"], r["task_index"]) for r in after[f"rollouts-00000{it}.tar"]}
         assert got and got <= want
-    steps = [int(r["step"]) for r in metrics_rows(out) if r.get("loss/pg_loss")]
-    assert max(steps) >= 7  # optimizer steps continued from the checkpoint (4) instead of restarting
+    iterations = [int(float(r["rollout/iteration"])) for r in metrics_rows(out) if r.get("rollout/iteration")]
+    assert iterations == [0, 1, 2, 3]  # the resumed run continued at iteration 2 instead of restarting

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import gymnasium as gym
 
+from agentopsd.distributed import any_rank, is_distributed
 from agentopsd.prompts import HistoryEntry, PromptBuilder, assert_no_skills, parse_action
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.skills import SkillBank
@@ -127,10 +128,15 @@ class Collector:
         self.stats.env_seconds += time.perf_counter() - t0
         for ep, res in zip(episodes, results):
             self._start(ep, res, with_teacher)
+        synced = is_distributed()
         for _ in range(self.max_turns):
             active = [i for i, ep in enumerate(episodes) if not ep.done]
-            if not active:
+            if not (any_rank(bool(active)) if synced else active):
                 break
+            if not active:
+                # other ranks still play: keep entering the sharded forwards with a dummy prompt
+                self.generator.generate([[self.prompts.tokenizer.eos_token_id]], sampling)
+                continue
             student = [self._prompt(episodes[i], skill="") for i in active]
             if evaluating and self._skill_lines:
                 for ids in student:

@@ -54,7 +54,7 @@ def test_rollouts_are_on_policy(tiny_walk_policy):
 
 def test_a_stale_rollout_fails_the_on_policy_check(tiny_walk_policy):
     module = make_module(tiny_walk_policy, iterations=2)
-    trainer = fit(module, 1)  # attaches a trainer and makes one update
+    fit(module, 1)  # attaches a trainer and makes one update
     batch = module.rollout(_task_batch(0))
     # non-zero advantages, so that the update really moves the weights
     batch.advantages = torch.randn(batch.action_mask.shape, generator=torch.Generator().manual_seed(0)) * batch.action_mask
