@@ -13,6 +13,10 @@ class EnvConfig:
     """Registered Gymnasium id, e.g. ``agentopsd/BabyAI-GoToLocal-v0``."""
     skills: str | None = None
     """SkillBank name (``agentopsd/skills/<name>.json``) for the teacher view; None = no skills."""
+    skill_max_general: int | None = None
+    """Keep only the first N general skills in the teacher view (None = all): short contexts, small models."""
+    system_prompt: str | None = None
+    """Replaces the default system prompt of agentopsd.prompts.PromptBuilder."""
     max_turns: int = 50
     """Turn limit of an episode (the paper: 50 ALFWorld, 15 WebShop, 4 Search)."""
     invalid_penalty: float = 0.1

@@ -62,8 +62,9 @@ class AgentRLModule(L.LightningModule):
             history_window=env.history_window,
             max_prompt_tokens=env.max_prompt_tokens,
             show_admissible=env.show_admissible,
+            **({"system_prompt": env.system_prompt} if env.system_prompt is not None else {}),
         )
-        self.skill_bank = SkillBank.for_env(env.skills) if env.skills else None
+        self.skill_bank = SkillBank.for_env(env.skills, max_general=env.skill_max_general) if env.skills else None
         if algorithm.needs_teacher and self.skill_bank is None:
             raise ValueError(f"algorithm {algorithm.name} needs a teacher view: set env.skills to a SkillBank name")
         self.sampling = SamplingConfig(
@@ -306,7 +307,8 @@ class AgentRLModule(L.LightningModule):
                         loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
                     if first:
                         ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
-                        self.first_ratio_dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
+                        dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
+                        self.first_ratio_dev = max(self.first_ratio_dev, dev) if micro is not micros[0] else dev
                     self.manual_backward(loss)
                     losses.append(float(loss.detach()))
                     for k, v in vars(st).items():

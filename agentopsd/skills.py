@@ -50,7 +50,7 @@ class RetrievedSkills:
 
     def render(self) -> str:
         """The skill block inserted into the teacher view."""
-        lines = ["General skills:"] + [f"- {s}" for s in self.general]
+        lines = ["General skills:"] + [f"- {s}" for s in self.general] if self.general else []
         if self.skills:
             lines += ["Task skills:"] + [f"- {s}" for s in self.skills]
         if self.mistakes:
@@ -65,15 +65,16 @@ def _words(text: str) -> set[str]:
 class SkillBank:
     """Keyword retrieval over general skills, per-category skills and common mistakes."""
 
-    def __init__(self, general: list[str], categories: list[Category], top_k: int = 1) -> None:
+    def __init__(self, general: list[str], categories: list[Category], top_k: int = 1, max_general: int | None = None) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        self.general = tuple(general)
+        # small models and short contexts: the first few general skills only (None = all)
+        self.general = tuple(general)[:max_general] if max_general is not None else tuple(general)
         self.categories = tuple(categories)
         self.top_k = top_k
 
     @classmethod
-    def from_file(cls, path: str | Path, top_k: int = 1) -> SkillBank:
+    def from_file(cls, path: str | Path, top_k: int = 1, max_general: int | None = None) -> SkillBank:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"skill file {path} not found: pass an existing JSON file or an env name in {list_skill_files()}")
@@ -87,14 +88,14 @@ class SkillBank:
             )
             for name, body in raw.get("categories", {}).items()
         ]
-        return cls(list(raw.get("general", [])), cats, top_k=top_k)
+        return cls(list(raw.get("general", [])), cats, top_k=top_k, max_general=max_general)
 
     @classmethod
-    def for_env(cls, name: str, top_k: int = 1) -> SkillBank:
+    def for_env(cls, name: str, top_k: int = 1, max_general: int | None = None) -> SkillBank:
         """The shipped skill file of an environment (``babyai``, ``webshop``, ``searchqa``, ``alfworld``),
         or a path to your own ``.json`` file in the same format."""
         path = Path(name) if name.endswith(".json") else SKILL_DIR / f"{name}.json"
-        return cls.from_file(path, top_k=top_k)
+        return cls.from_file(path, top_k=top_k, max_general=max_general)
 
     def match(self, skill_key: str, task: str = "") -> list[str]:
         """Names of the categories whose keywords hit, best first.

@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 
 
 def write_demonstrations(
-    env_id: str, path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int
+    env_id: str, path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int, max_general: int | None = None
 ) -> int:
     """Play ``episodes`` expert episodes and write their turns to one tar shard (atomically)."""
     rng = np.random.default_rng(seed)
-    bank = SkillBank.for_env(skills) if skills else None
+    bank = SkillBank.for_env(skills, max_general=max_general) if skills else None
     env = gym.make(env_id, split="train", disable_env_checker=True)
     n = env.unwrapped.num_tasks
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,13 +74,17 @@ def _encode(builder: PromptBuilder, tokenizer, sample: dict, teacher: bool) -> t
 
 def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float]:
     """Write (or reuse) the demonstration shard, then train on it for ``cfg.seconds`` or ``cfg.steps``."""
-    shard = Path(out_dir) / f"demos-{cfg.episodes}-{cfg.noise}-{cfg.seed}.tar"
+    # the name carries every setting the demonstrations depend on, so a stale shard is never reused
+    shard = Path(out_dir) / f"demos-{env_cfg.id.split('/')[-1]}-{cfg.episodes}-{cfg.noise}-{cfg.seed}-{env_cfg.max_turns}-{env_cfg.get('skill_max_general')}.tar"
     if not shard.exists():
         t0 = time.perf_counter()
-        n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills, max_turns=env_cfg.max_turns)
+        n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills,
+                                 max_turns=env_cfg.max_turns, max_general=env_cfg.get("skill_max_general"))
         log.info("wrote %d demonstration turns to %s in %.1fs", n, shard, time.perf_counter() - t0)
     samples = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False)]
-    builder = PromptBuilder(tokenizer, output_format=env_cfg.output_format, history_window=env_cfg.history_window, max_prompt_tokens=env_cfg.max_prompt_tokens)
+    builder = PromptBuilder(tokenizer, output_format=env_cfg.output_format, history_window=env_cfg.history_window,
+                            max_prompt_tokens=env_cfg.max_prompt_tokens, show_admissible=env_cfg.get("show_admissible", True),
+                            **({"system_prompt": env_cfg.system_prompt} if env_cfg.get("system_prompt") is not None else {}))
     encoded = [_encode(builder, tokenizer, s, teacher=False) for s in samples]
     if env_cfg.skills and cfg.teacher_fraction > 0:
         rng = np.random.default_rng(cfg.seed)
