@@ -15,18 +15,25 @@ def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
 
 
-def all_max(value: int, device: torch.device | str = "cpu") -> int:
+def _collective_device() -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo takes CPU tensors
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_max(value: int) -> int:
     """The largest ``value`` over ranks (the value itself when not distributed)."""
     if not is_distributed():
         return value
-    t = torch.tensor([value], device=device, dtype=torch.long)
+    t = torch.tensor([value], device=_collective_device(), dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
-def any_rank(flag: bool, device: torch.device | str = "cpu") -> bool:
+def any_rank(flag: bool) -> bool:
     """True when ``flag`` holds on at least one rank."""
-    return all_max(int(flag), device) > 0
+    return all_max(int(flag)) > 0
 
 
 def shard_groups(group_ids: list[int], rank: int, world: int) -> list[int]:

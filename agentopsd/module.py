@@ -92,7 +92,7 @@ class AgentRLModule(L.LightningModule):
     # ------------------------------------------------------------------ sharding
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy``: shard each decoder layer, then the root."""
+        """FSDP2 under ``ModelParallelStrategy`` (``trainer=fsdp``): shard each decoder layer, then the root."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._sharded or self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -251,7 +251,7 @@ class AgentRLModule(L.LightningModule):
         pieces = []
         starts = list(range(0, ids.shape[0], step))
         # under sharding every forward is a collective: ranks with fewer rows run dummy forwards
-        padding = all_max(len(starts), self.device) - len(starts) if self._sharded else 0
+        padding = all_max(len(starts)) - len(starts) if self._sharded else 0
         with torch.set_grad_enabled(grad and view == "student"):
             for start in starts:
                 sl = slice(start, start + step)
@@ -293,7 +293,7 @@ class AgentRLModule(L.LightningModule):
                 normalizer = max(1.0, float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb)))
                 micros = list(mb.split(cfg.micro_batch_size))
                 # DDP all-reduces and FSDP reduce-scatters in every backward: pad to the ranks' maximum
-                for _ in range(all_max(len(micros), self.device) - len(micros) if is_distributed() else 0):
+                for _ in range(all_max(len(micros)) - len(micros) if is_distributed() else 0):
                     self.manual_backward(self.action_logprobs(batch, "student", perm[:1], grad=True).sum() * 0.0)
                 for micro in micros:
                     lp = self.action_logprobs(batch, "student", micro, grad=True)

@@ -37,6 +37,13 @@ def validate_config(cfg: DictConfig) -> None:
             f"optim.num_mini_batches={cfg.optim.num_mini_batches} exceeds the {rows} trajectories of a batch "
             "(data.tasks_per_batch x data.group_size); lower it"
         )
+    devices = cfg.trainer.get("devices", 1)
+    world = (devices if isinstance(devices, int) else 1) * int(cfg.trainer.get("num_nodes", 1))
+    if world > 1 and cfg.data.tasks_per_batch % world:
+        raise ConfigError(
+            f"data.tasks_per_batch={cfg.data.tasks_per_batch} does not divide across {world} processes "
+            "(trainer.devices x trainer.num_nodes): each process plays whole task groups; use a multiple"
+        )
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations must be >= 1, got {cfg.num_iterations}")
     if cfg.model.get("path"):

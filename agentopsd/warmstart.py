@@ -12,6 +12,7 @@ admissible action is taken instead. Two kinds of samples are written:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -81,6 +82,15 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills,
                                  max_turns=env_cfg.max_turns, max_general=env_cfg.get("skill_max_general"))
         log.info("wrote %d demonstration turns to %s in %.1fs", n, shard, time.perf_counter() - t0)
+    # the warm-started weights are cached next to the shard: a rerun with the same settings
+    # (and the same initial weights) skips the supervised stage
+    init = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()[:4096] for p in model.parameters())).hexdigest()[:10]
+    key = hashlib.sha1(f"{shard.name}|{sorted(cfg.items())}|{init}|{env_cfg.history_window}|{env_cfg.get('show_admissible')}".encode()).hexdigest()[:12]
+    cached = Path(out_dir) / f"policy-{key}.pt"
+    if cached.exists():
+        model.load_state_dict(torch.load(cached, map_location="cpu"))
+        print(f"warm start: loaded {cached}")
+        return {"warm_start/cached": 1.0}
     samples = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False)]
     builder = PromptBuilder(tokenizer, output_format=env_cfg.output_format, history_window=env_cfg.history_window,
                             max_prompt_tokens=env_cfg.max_prompt_tokens, show_admissible=env_cfg.get("show_admissible", True),
@@ -122,6 +132,9 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         step += 1
     stats = {"warm_start/steps": float(step), "warm_start/loss": float(np.mean(losses[-20:])) if losses else float("nan"),
              "warm_start/seconds": time.perf_counter() - t0, "warm_start/samples": float(len(encoded))}
+    tmp = cached.with_suffix(".tmp")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, cached)
     log.info("warm start: %s", stats)
     print(f"warm start: {step} steps in {stats['warm_start/seconds']:.0f}s, final loss {stats['warm_start/loss']:.3f}")
     return stats

