@@ -118,11 +118,11 @@ def completion_problems(gens: list[Any], tokenizer: Any, stops: tuple[str, ...],
 
 
 def train_towards(model: Any, tokenizer: Any, prompts: list[list[int]], target: str, steps: int, lr: float) -> list[float]:
-    """SGD on -log p(target | prompt): a real optimizer step that visibly moves greedy outputs."""
+    """Adam on -log p(target | prompt): real optimizer steps that visibly move greedy outputs."""
     import torch
 
     ids = tokenizer.encode(target, add_special_tokens=False)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
@@ -137,6 +137,20 @@ def train_towards(model: Any, tokenizer: Any, prompts: list[list[int]], target: 
         losses.append(round(loss.item(), 4))
     model.eval()
     return losses
+
+
+def throughput(vllm_gen: Any, hf_gen: Any, prompts: list[list[int]], batch: int = 16, new: int = 64) -> dict[str, Any]:
+    """Generated tokens per second (prefill included) of both backends on the same batch."""
+    from agentopsd.rollout.base import SamplingConfig
+
+    bulk = [prompts[i % len(prompts)] for i in range(batch)]
+    sampling = SamplingConfig(max_new_tokens=new, temperature=1.0, stop_strings=(), seed=11)
+    result: dict[str, Any] = {"batch": batch, "max_new_tokens": new, "prompt_tokens": sum(map(len, bulk))}
+    for name, gen in (("vllm", vllm_gen), ("hf", hf_gen)):
+        t0 = time.perf_counter()
+        tokens = sum(len(g.token_ids) for g in gen.generate(bulk, sampling))
+        result[f"{name}_tokens_per_s"] = round(tokens / (time.perf_counter() - t0), 1)
+    return result
 
 
 def run_collector(env_id: str, generator: Any, builder: Any, sampling: Any, turns: int) -> dict[str, Any]:
@@ -186,6 +200,7 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
     import vllm
 
     out["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
+    out["engine_in_process"] = generator._in_process_worker() is not None
 
     # (a) + (b): sampled turns, as the collector asks for them.
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
@@ -213,10 +228,12 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if not hot_diff <= args.tolerance:
         fail(f"(b) log-probs at temperature 1.7 differ from transformers by {hot_diff:.3g} > {args.tolerance}")
 
+    out["throughput"] = throughput(generator, HFGenerator(model, tokenizer), prompts)
+
     # (c): greedy turns before and after an optimizer step + sync_weights.
     greedy = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=True, stop_strings=builder.stop_strings)
     before = generator.generate(prompts, greedy)
-    out["losses"] = train_towards(model, tokenizer, prompts[: args.batch // 2], args.target, args.sgd_steps, args.lr)
+    out["losses"] = train_towards(model, tokenizer, prompts[: args.batch // 2], args.target, args.train_steps, args.lr)
     stale = generator.generate(prompts, greedy)
     if [g.token_ids for g in stale] != [g.token_ids for g in before]:
         fail("(c) vLLM output changed before sync_weights was called")
@@ -226,9 +243,11 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
     after = generator.generate(prompts, greedy)
     reference = HFGenerator(model, tokenizer).generate(prompts, greedy)
     changed = sum(a.token_ids != b.token_ids for a, b in zip(after, before))
-    matches_hf = sum(a.token_ids == r.token_ids for a, r in zip(after, reference))
+    matches_hf = sum((a.token_ids, a.finish_reason) == (r.token_ids, r.finish_reason) for a, r in zip(after, reference))
     diff_after = max_logprob_diff(model, prompts, after, 1.0)
+    stopped = sum(g.finish_reason == "stop" for g in after)
     out["sync"] = {"changed": changed, "matches_hf_greedy": matches_hf, "max_abs_logprob_diff": diff_after,
+                   "finish_reasons": sorted({g.finish_reason for g in after}), "stopped_at_stop_string": stopped,
                    "example_before": before[0].text[:80], "example_after": after[0].text[:80]}
     if changed == 0:
         fail("(c) sync_weights did not change any greedy output")
@@ -236,6 +255,11 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
         fail(f"(c) after sync only {matches_hf}/{len(prompts)} greedy outputs equal the transformers backend's")
     if not diff_after <= args.tolerance:
         fail(f"(c) log-probs after sync differ from the updated model's by {diff_after:.3g} > {args.tolerance}")
+    # The trained target ends in the stop string: vLLM's stop handling must now end some turns.
+    for problem in completion_problems(after, tokenizer, builder.stop_strings, args.max_new_tokens):
+        fail(f"(c) {problem}")
+    if stopped == 0:
+        fail("(c) no greedy turn ended at the stop string after training towards it")
 
     if args.collector:
         out["collector"] = run_collector(args.env_id, generator, builder, sampling, args.collector_turns)
@@ -250,9 +274,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="max |vLLM - transformers| per-token log-prob (both float32)")
-    p.add_argument("--target", default="<action>go forward</action>", help="what the SGD steps teach")
-    p.add_argument("--sgd-steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--target", default="<action>go forward</action>", help="what the training steps teach")
+    p.add_argument("--train-steps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): tests the other sync path")
     p.add_argument("--collector", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--collector-turns", type=int, default=2)
     p.add_argument("--workdir", default=None, help="where the policy is saved (default: a new temp dir)")
@@ -262,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     t0 = time.perf_counter()
     summary: dict[str, Any] = {"tolerance": args.tolerance, "failures": []}
     try:

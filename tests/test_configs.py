@@ -112,11 +112,12 @@ def test_plus_experiment_spelling_is_accepted():
         ("env.id=agentopsd/Nope-v0", "env.id"),
         ("optim.num_mini_batches=1000", "optim.num_mini_batches"),
         ("num_iterations=0", "num_iterations"),
+        ("trainer.devices=2 data.tasks_per_batch=3", "data.tasks_per_batch"),
     ],
 )
 def test_bad_values_fail_fast(override, field):
     with pytest.raises(ConfigError) as err:
-        validate_config(_resolve(cfg_for(override)))
+        validate_config(_resolve(cfg_for(*override.split())))
     message = str(err.value)
     assert field in message and "\n" not in message
 
@@ -140,3 +141,12 @@ def test_ckpt_path_last_must_exist(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
     assert resolve_ckpt_path("last", tmp_path).endswith("last.ckpt")
+
+
+@pytest.mark.parametrize("group", ["algorithm", "model", "env"])
+def test_unknown_group_option_names_the_choices(group):
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException) as err:
+        cfg_for(f"{group}=nope")
+    assert f"{group}/nope" in str(err.value) and "Available options" in str(err.value)

