@@ -10,6 +10,7 @@ with manual optimization.
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import time
@@ -133,8 +134,9 @@ class AgentRLModule(L.LightningModule):
             if self.env_cfg.fault_rate > 0:
                 from envs.faults import FaultInjectionWrapper
 
-                rate, seed = self.env_cfg.fault_rate, self.seed
-                wrappers.append(lambda e: FaultInjectionWrapper(e, p_reset=rate, p_step=rate, seed=seed + id(e) % 1000))
+                rate, seeds = self.env_cfg.fault_rate, itertools.count(self.seed * 10_000)
+                # one seed per environment, in creation order: the same faults on every rerun
+                wrappers.append(lambda e: FaultInjectionWrapper(e, p_reset=rate, p_step=rate, seed=next(seeds)))
             self._collector = Collector(
                 self.env_cfg.id,
                 self.make_generator(),

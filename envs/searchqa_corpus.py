@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
+from envs.rng import SplitMix64
+
 SEED = 20_240_611
 NUM_COUNTRIES = 40
 CITIES_PER_COUNTRY = 10
@@ -26,35 +28,6 @@ NUM_COMPANIES = 520
 QUESTIONS_PER_HOP = 500
 EVAL_PER_HOP = 50
 HOP_CATEGORIES = ("1hop", "2hop", "3hop")
-
-_MASK = (1 << 64) - 1
-
-
-class SplitMix64:
-    """A tiny, version-proof PRNG: the same integers on every Python and platform."""
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed & _MASK
-
-    def next(self) -> int:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        return z ^ (z >> 31)
-
-    def below(self, n: int) -> int:
-        # Modulo bias is ~n/2**64: irrelevant for a corpus generator.
-        return self.next() % n
-
-    def choice(self, seq: list | tuple):
-        return seq[self.below(len(seq))]
-
-    def shuffle(self, items: list) -> None:
-        for i in range(len(items) - 1, 0, -1):
-            j = self.below(i + 1)
-            items[i], items[j] = items[j], items[i]
-
 
 @dataclass(frozen=True)
 class Doc:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TypeVar
 
+from envs.rng import SplitMix64
 from envs.webshop_data import (
     BENEFITS,
     BRANDS,
@@ -33,37 +32,7 @@ PRICE_RANGE = tuple(10.0 * i for i in range(1, 100))
 """Budget grid of the original goal generator: the budget is a multiple of 10 above the price."""
 CATEGORY_SEP = " › "
 
-_MASK = (1 << 64) - 1
 _ASIN_CHARS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-T = TypeVar("T")
-
-
-class SplitMix64:
-    """Tiny portable PRNG (Steele et al. 2014): same stream on every Python/numpy version."""
-
-    def __init__(self, seed: int) -> None:
-        self.state = seed & _MASK
-
-    def next64(self) -> int:
-        self.state = (self.state + 0x9E3779B97F4A7C15) & _MASK
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-        return z ^ (z >> 31)
-
-    def below(self, n: int) -> int:
-        return self.next64() % n  # modulo bias is < 1e-17 for these n
-
-    def choice(self, seq: Sequence[T]) -> T:
-        return seq[self.below(len(seq))]
-
-    def sample(self, seq: Sequence[T], k: int) -> list[T]:
-        """k distinct items, kept in the order of ``seq`` (partial Fisher-Yates on indices)."""
-        idx = list(range(len(seq)))
-        for i in range(k):
-            j = i + self.below(len(idx) - i)
-            idx[i], idx[j] = idx[j], idx[i]
-        return [seq[i] for i in sorted(idx[:k])]
 
 
 @dataclass(frozen=True)
