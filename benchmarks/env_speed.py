@@ -1,7 +1,7 @@
 """Environment steps per second with each environment's expert, and the expert's success on
 the fixed evaluation list.
 
-    python benchmarks/envs.py [--episodes 100] [--skip-alfworld]
+    python benchmarks/env_speed.py [--episodes 100] [--skip-alfworld]
 """
 
 from __future__ import annotations
