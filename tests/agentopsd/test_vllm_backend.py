@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,19 @@ def _vllm_python() -> Path:
     return python
 
 
+def _run_in_own_group(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """(exit code, output tail); on timeout the whole group dies: the engine's processes too."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out += f"\n[killed after {timeout} s]"
+    return proc.returncode, out[-4000:]
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.timeout(700)
@@ -44,11 +58,10 @@ def test_vllm_backend_matches_transformers_and_syncs_weights(engine, tmp_path):
     if engine == "in-process":
         cmd += ["--in-process", "--no-collector"]  # the collector runs in the other case
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert summary_path.is_file(), f"vllm_check.py wrote no summary (rc={proc.returncode}):\n{tail}"
+    returncode, tail = _run_in_own_group(cmd, env, timeout=600)
+    assert summary_path.is_file(), f"vllm_check.py wrote no summary (rc={returncode}):\n{tail}"
     summary = json.loads(summary_path.read_text())
-    assert proc.returncode == 0 and summary["ok"], f"failures: {summary['failures']}\n{tail}"
+    assert returncode == 0 and summary["ok"], f"failures: {summary['failures']}\n{tail}"
     assert summary["engine_in_process"] is (engine == "in-process")
     assert summary["sampled"]["max_abs_logprob_diff"] <= summary["tolerance"]
     assert summary["sync"]["changed"] > 0 and summary["sync"]["matches_hf_greedy"] == len(summary["model"]["prompt_tokens"])
