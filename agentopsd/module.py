@@ -390,6 +390,11 @@ class AgentRLModule(L.LightningModule):
         self.eval_history.append(metrics)
         return metrics
 
+    def teardown(self, stage: str) -> None:
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None
+
     # ------------------------------------------------------------------ checkpoint extras
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -25,10 +25,10 @@ from agentopsd.module import AgentRLModule
 from agentopsd.tiny import tiny_policy
 
 
-def build(env_id: str, skills: str, algorithm, model, tokenizer, max_turns: int) -> AgentRLModule:
+def build(env_id: str, skills: str, algorithm, model, tokenizer, max_turns: int, max_general: int | None) -> AgentRLModule:
     module = AgentRLModule(
         copy.deepcopy(model), tokenizer, algorithm=algorithm,
-        env=EnvConfig(id=env_id, skills=skills, max_turns=max_turns),
+        env=EnvConfig(id=env_id, skills=skills, max_turns=max_turns, skill_max_general=max_general),
         rollout=RolloutConfig(max_new_tokens=12),
         optim=OptimConfig(lr=1e-4, ppo_epochs=1, num_mini_batches=2, micro_batch_size=64),
         evaluation=EvalConfig(num_tasks=1), num_iterations=10,
@@ -73,13 +73,14 @@ def main() -> None:
     parser.add_argument("--skills", default="babyai")
     parser.add_argument("--envs", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=8)
+    parser.add_argument("--skill-max-general", type=int, default=None, help="general skills kept in the teacher view (default: all)")
     args = parser.parse_args()
     model, tokenizer = tiny_policy(args.env, skills=args.skills)
     tasks = sample_tasks(args.env, 50, args.envs // 8, 8, 0, seed=0)
 
     # 1 + 3: the same rollouts, scored and updated by each algorithm from the same weights
-    grpo = build(args.env, args.skills, Algorithm(), model, tokenizer, args.max_turns)
-    opsd = build(args.env, args.skills, AgentOPSD(), model, tokenizer, args.max_turns)
+    grpo = build(args.env, args.skills, Algorithm(), model, tokenizer, args.max_turns, args.skill_max_general)
+    opsd = build(args.env, args.skills, AgentOPSD(), model, tokenizer, args.max_turns, args.skill_max_general)
     t0 = time.perf_counter()
     opsd.model.eval()
     trajectories = opsd.collector.collect(tasks, with_teacher=True)

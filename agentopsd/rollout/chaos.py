@@ -34,3 +34,8 @@ class MalformedGenerator:
 
     def sync_weights(self, model: nn.Module) -> None:
         self.inner.sync_weights(model)
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()

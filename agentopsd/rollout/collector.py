@@ -106,10 +106,14 @@ class Collector:
         return pool[:n]
 
     def close(self) -> None:
+        """Close the environments and the generator (a vLLM engine holds processes and memory)."""
         for pool in self._pools.values():
             for env in pool:
                 env.close()
         self._pools.clear()
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
 
     def collect(self, tasks: Sequence[TaskSpec], *, with_teacher: bool, sampling: SamplingConfig | None = None) -> list[Trajectory]:
         """Play every task copy to the end; ``with_teacher`` also builds the skill-augmented view."""
