@@ -34,11 +34,16 @@ from agentopsd.credit import (
     unpack_turns,
 )
 
+FIELDS_READ = (
+    "teacher_logprobs and student_logprobs with either action_mask, turn_traj, turn_index (one row per turn) "
+    "or token_turn ([B, T], -1 off the action tokens); always seq_advantages, success, group_ids"
+)
+
 
 def _get(batch: Mapping | object, key: str) -> Tensor:
     value = batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
     if value is None:
-        raise KeyError(f"the batch has no field {key!r}; the credit step reads: {__doc__.split('Batch fields')[1].split('Written')[0].strip()}")
+        raise KeyError(f"the batch has no field {key!r}; the credit step reads {FIELDS_READ}")
     return value
 
 
