@@ -54,6 +54,12 @@ def _set(batch: Mapping | object, key: str, value: object) -> None:
         batch[key] = value  # RolloutBatch implements __setitem__
 
 
+def _write_rows(batch: Mapping | object, turn_adv: Tensor, action_mask: Tensor) -> None:
+    """Row layout: one advantage per turn row, spread over that row's action tokens."""
+    _set(batch, "turn_advantages", turn_adv)
+    _set(batch, "advantages", turn_adv[:, None] * action_mask)
+
+
 @dataclass(frozen=True)
 class TurnView:
     """A batch's gaps in the padded ``[B,K]`` layout plus the maps back to its own layout."""
@@ -125,9 +131,7 @@ class Algorithm:
             return {}
         mask = _get(batch, "action_mask").bool()
         traj = _get(batch, "turn_traj").long()
-        rows = seq_adv[traj].float()
-        _set(batch, "turn_advantages", rows)
-        _set(batch, "advantages", rows[:, None] * mask)
+        _write_rows(batch, seq_adv[traj].float(), mask)
         return {}
 
 
@@ -250,9 +254,7 @@ class StepOPSD(Algorithm):
         mean_gap = delta.sum(1) / mask.sum(1).clamp_min(1)
         rows_adv = seq_adv[traj].float()
         w = torch.exp((torch.sign(rows_adv) * mean_gap).clamp(-30, 30)).clamp(1 - self.mult_band, 1 + self.mult_band)
-        turn_adv = rows_adv * ((1 - self.mult_lambda) + self.mult_lambda * w)
-        _set(batch, "turn_advantages", turn_adv)
-        _set(batch, "advantages", turn_adv[:, None] * mask)
+        _write_rows(batch, rows_adv * ((1 - self.mult_lambda) + self.mult_lambda * w), mask)
         return {}
 
 
