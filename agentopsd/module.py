@@ -89,6 +89,9 @@ class AgentRLModule(L.LightningModule):
         """max |ratio - 1| on the first mini-batch of the last iteration (0 when on-policy)."""
         self.eval_history: list[dict[str, float]] = []
         self.iteration = 0
+        """Index of the iteration being trained (set by its rollout)."""
+        self.iterations_done = 0
+        """Completed iterations (updates made)."""
 
     # ------------------------------------------------------------------ sharding
 
@@ -269,6 +272,7 @@ class AgentRLModule(L.LightningModule):
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         metrics, loss = self.update(batch, batch_idx)
+        self.iterations_done = self.iteration + 1
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=batch.num_trajectories)
         # the rich progress bar shows the rollout: success and turns per episode
@@ -386,7 +390,7 @@ class AgentRLModule(L.LightningModule):
         finally:
             self.model.train(was_training)
         metrics = evaluate_trajectories(trajectories)
-        metrics["eval/iteration"] = float(self.iteration)
+        metrics["eval/iteration"] = float(self.iterations_done)  # 0 before training
         self.eval_history.append(metrics)
         return metrics
 
@@ -408,6 +412,7 @@ class AgentRLModule(L.LightningModule):
             "rng": {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)], "python": random.getstate()},
             "eval_history": self.eval_history,
             "iteration": self.iteration,
+            "iterations_done": self.iterations_done,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -424,3 +429,4 @@ class AgentRLModule(L.LightningModule):
         random.setstate(extra["rng"]["python"])
         self.eval_history = list(extra.get("eval_history", []))
         self.iteration = int(extra.get("iteration", 0))
+        self.iterations_done = int(extra.get("iterations_done", 0))

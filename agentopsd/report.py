@@ -35,7 +35,10 @@ def read_shards(run_dir: Path) -> list[dict]:
 
 
 def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if key in r and "step" in r]
+    """``key`` against the iteration: rollout rows carry ``rollout/iteration`` (the iteration trained),
+    evaluation rows ``eval/iteration`` (iterations completed, 0 before training)."""
+    x_key = "eval/iteration" if key.startswith("eval/") else "rollout/iteration"
+    pts = [(r[x_key], r[key]) for r in rows if key in r and x_key in r]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -44,11 +47,11 @@ def plot_learning_curve(rows: list[dict[str, float]], path: Path) -> None:
     for key, label in (("rollout/success", "training rollouts"), ("eval/success", "evaluation (fixed list)")):
         x, y = _series(rows, key)
         ax[0].plot(x, y, "o-" if key.startswith("eval") else "-", label=label)
-    ax[0].set(xlabel="optimizer step", ylabel="success rate", title="Success", ylim=(-0.02, 1.02))
+    ax[0].set(xlabel="RL iteration", ylabel="success rate", title="Success", ylim=(-0.02, 1.02))
     ax[0].legend()
     x, y = _series(rows, "rollout/reward")
     ax[1].plot(x, y, color="tab:green")
-    ax[1].set(xlabel="optimizer step", ylabel="mean episode reward", title="Reward")
+    ax[1].set(xlabel="RL iteration", ylabel="mean episode reward", title="Reward")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
