@@ -1,7 +1,10 @@
 """Supervised warm start on expert demonstrations stored as webdataset shards.
 
-The environment's expert plays training tasks; with probability ``noise`` a random
-admissible action is taken instead. Two kinds of samples are written:
+The environment's expert plays training tasks with two deliberate flaws: with probability
+``noise`` a random admissible action is taken instead, and ``habits`` (``{expert action:
+substitute}``) replace the expert's action with the substitute with probability
+``habit_prob`` each time it comes up (a bad habit the student copies as its most likely
+action, which only RL can unlearn). Two kinds of samples are written:
 
 * student view (no skills): the label is the action actually taken, so the noisy actions
   are imitated too: the warm-started policy is imperfect and RL has room to improve;
@@ -33,9 +36,13 @@ log = logging.getLogger(__name__)
 
 
 def write_demonstrations(
-    env_id: str, path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int, max_general: int | None = None
+    env_id: str, path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int, max_general: int | None = None,
+    habits: dict[str, str] | None = None, habit_prob: float = 0.0,
 ) -> int:
     """Play ``episodes`` expert episodes and write their turns to one tar shard (atomically)."""
+    if not 0.0 <= noise <= 1.0 or not 0.0 <= habit_prob <= 1.0:
+        raise ValueError(f"warm_start.noise and warm_start.habit_prob must be in [0, 1], got {noise} and {habit_prob}")
+    habits = dict(habits or {})
     rng = np.random.default_rng(seed)
     bank = SkillBank.for_env(skills, max_general=max_general) if skills else None
     env = gym.make(env_id, split="train", disable_env_checker=True)
@@ -51,7 +58,11 @@ def write_demonstrations(
             for _ in range(max_turns):
                 expert = env.unwrapped.expert_action()
                 admissible = info.get("admissible_actions") or [expert]
-                taken = str(rng.choice(admissible)) if rng.random() < noise else expert
+                taken = expert
+                if expert in habits and rng.random() < habit_prob:
+                    taken = habits[expert]
+                elif rng.random() < noise:
+                    taken = str(rng.choice(admissible))
                 sample = {"task": info["task"], "history": history[-4:], "observation": obs, "admissible": info.get("admissible_actions"),
                           "skill": skill, "expert": expert, "taken": taken}
                 sink.write({"__key__": f"{ep:06d}_{len(history):03d}", "json": json.dumps(sample).encode()})
@@ -76,11 +87,14 @@ def _encode(builder: PromptBuilder, tokenizer, sample: dict, teacher: bool) -> t
 def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float]:
     """Write (or reuse) the demonstration shard, then train on it for ``cfg.seconds`` or ``cfg.steps``."""
     # the name carries every setting the demonstrations depend on, so a stale shard is never reused
-    shard = Path(out_dir) / f"demos-{env_cfg.id.split('/')[-1]}-{cfg.episodes}-{cfg.noise}-{cfg.seed}-{env_cfg.max_turns}-{env_cfg.get('skill_max_general')}.tar"
+    habits = dict(cfg.get("habits") or {})
+    habit_prob = float(cfg.get("habit_prob", 0.0))
+    tag = hashlib.sha1(json.dumps([sorted(habits.items()), habit_prob]).encode()).hexdigest()[:6]
+    shard = Path(out_dir) / f"demos-{env_cfg.id.split('/')[-1]}-{cfg.episodes}-{cfg.noise}-{cfg.seed}-{env_cfg.max_turns}-{env_cfg.get('skill_max_general')}-{tag}.tar"
     if not shard.exists():
         t0 = time.perf_counter()
         n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills,
-                                 max_turns=env_cfg.max_turns, max_general=env_cfg.get("skill_max_general"))
+                                 max_turns=env_cfg.max_turns, max_general=env_cfg.get("skill_max_general"), habits=habits, habit_prob=habit_prob)
         log.info("wrote %d demonstration turns to %s in %.1fs", n, shard, time.perf_counter() - t0)
     # the warm-started weights are cached next to the shard: a rerun with the same settings
     # (and the same initial weights) skips the supervised stage

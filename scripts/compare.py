@@ -1,11 +1,13 @@
 """Compare algorithms across a horizon ladder: GRPO, AgentOPSD, its ablations and RLSD.
 
-    python scripts/compare.py                                  # the full grid (hours on a 2-core CPU)
-    python scripts/compare.py --levels GoToLocal PickupLoc --seeds 0 --iterations 10   # a reduced grid
+    python scripts/compare.py --jobs 2                         # the full grid
+    python scripts/compare.py --levels PickupObjS5 --seeds 0 --iterations 10   # a reduced grid
 
 Every run is ``train.py experiment=quickstart`` with the level, algorithm and seed swapped; runs
-of one (level, seed) share the same warm start (the cached supervised weights) and see the same
-number of trajectories. Writes ``results/``: ``runs.csv`` (one row per run), ``table.md`` (mean and
+of one (level, seed) share the same warm start (the cached supervised weights, made once before
+the runs that use it) and see the same number of trajectories. The ladder is the quickstart's
+task (find the one object in a room and pick it up) in rooms of growing size: longer paths
+before the same decisive last turn. ``--jobs N`` runs N trainings at once, one thread each. Writes ``results/``: ``runs.csv`` (one row per run), ``table.md`` (mean and
 spread of the evaluation success after RL per method and level) and ``horizon.png`` (success
 against the expert's path length with a fitted slope per method: points lost per extra turn).
 """
@@ -19,11 +21,13 @@ import shutil
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["grpo", "agentopsd", "agentopsd_token", "agentopsd_raw_gap", "agentopsd_magnitude", "agentopsd_no_prior", "rlsd"]
-LEVELS = {"GoToLocal": 12, "PickupLoc": 16, "PutNextLocal": 24, "UnlockPickup": 30}  # level -> turn limit (>= the expert's eval maximum)
+# level -> turn limit: >= the expert's longest path on the eval list (6, 11 and 25 turns)
+LEVELS = {"PickupObjS5": 8, "PickupObj": 12, "PickupObjS12": 26}
 
 
 def last_eval(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
@@ -36,6 +40,38 @@ def last_eval(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
     return evals[0], evals[-1]
 
 
+def expert_path_mean(level: str, num_tasks: int = 100) -> float:
+    """The expert's mean path length on the level's fixed evaluation list (the horizon axis)."""
+    sys.path.insert(0, str(ROOT))
+    from envs.babyai import BabyAIEnv
+
+    env = BabyAIEnv(level, split="eval")
+    return statistics.mean(env.reset(options={"task_index": k})[1]["expert_steps"] for k in range(num_tasks))
+
+
+def _train(level: str, method: str, seed: int, iterations: int, run_dir: Path, extra: list[str]) -> None:
+    cmd = [sys.executable, "train.py", "experiment=quickstart", f"env.id=agentopsd/BabyAI-{level}-v0", f"env.max_turns={LEVELS[level]}",
+           f"algorithm={method}", f"seed={seed}", f"num_iterations={iterations}", f"output_dir={run_dir}",
+           "trainer.enable_progress_bar=false", "report=false", *extra]
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+
+
+def warm_start_once(level: str, seed: int, out: Path) -> Path:
+    """Make the (level, seed) warm start once: a minimal run whose cached weights the others copy."""
+    warm = out / "warm" / f"{level}-s{seed}"
+    if not any(warm.glob("policy-*.pt")):
+        run_dir = out / "runs" / f"{level}-warm-s{seed}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        _train(level, "grpo", seed, 1, run_dir, ["evaluation.num_tasks=1", "data.tasks_per_batch=1", "data.group_size=2"])
+        warm.mkdir(parents=True, exist_ok=True)
+        for made in (run_dir / "warm_start").glob("*"):
+            shutil.copy(made, warm / made.name)
+    return warm
+
+
 def run_one(level: str, method: str, seed: int, iterations: int, out: Path, warm: Path) -> dict:
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
     if run_dir.exists():
@@ -43,19 +79,17 @@ def run_one(level: str, method: str, seed: int, iterations: int, out: Path, warm
     (run_dir / "warm_start").mkdir(parents=True)
     for cached in warm.glob("*"):  # the shared warm start of this (level, seed)
         shutil.copy(cached, run_dir / "warm_start" / cached.name)
-    cmd = [sys.executable, "train.py", "experiment=quickstart", f"env.id=agentopsd/BabyAI-{level}-v0", f"env.max_turns={LEVELS[level]}",
-           f"algorithm={method}", f"seed={seed}", f"num_iterations={iterations}", f"output_dir={run_dir}",
-           "trainer.enable_progress_bar=false", "report=false"]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-    for made in (run_dir / "warm_start").glob("*"):  # the first run of a (level, seed) made it
-        if not (warm / made.name).exists():
-            shutil.copy(made, warm / made.name)
+    _train(level, method, seed, iterations, run_dir, [])
     before, after = last_eval(run_dir)
     row = {"level": level, "method": method, "seed": seed, "iterations": iterations,
            "success_before": before["eval/success"], "success_after": after["eval/success"],
-           "expert_steps_mean": None}
+           "expert_steps_mean": HORIZON[level]}
     row.update({k.replace("eval/success/horizon/", "horizon_"): v for k, v in after.items() if k.startswith("eval/success/horizon/")})
     return row
+
+
+HORIZON: dict[str, float] = {}
+"""level -> the expert's mean path length on its eval list (filled in by main)."""
 
 
 def write_results(rows: list[dict], out: Path) -> None:
@@ -79,12 +113,12 @@ def write_results(rows: list[dict], out: Path) -> None:
             spread = statistics.pstdev(vals) if len(vals) > 1 else 0.0
             cells.append(f"{100 * statistics.mean(vals):.1f} ± {100 * spread:.1f} (n={len(vals)})" if vals else "")
             if vals:
-                xs.append(LEVELS[level] / 2)  # about the expert's mean path length of the level's eval list
+                xs.append(HORIZON[level])
                 ys.append(100 * statistics.mean(vals))
         slope = _slope(xs, ys)
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {slope:+.2f} |")
         ax.plot(xs, ys, "o-", label=f"{method} ({slope:+.2f}/turn)")
-    ax.set(xlabel="horizon (about the expert's mean path length, turns)", ylabel="eval success after RL (%)", title="Success against horizon")
+    ax.set(xlabel="horizon (the expert's mean path length on the eval list, turns)", ylabel="eval success after RL (%)", title="Success against horizon")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "horizon.png", dpi=110)
@@ -106,17 +140,20 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=16)
     parser.add_argument("--out", type=Path, default=ROOT / "results")
+    parser.add_argument("--jobs", type=int, default=1, help="trainings at once (each on one thread)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
     for level in args.levels:
-        for seed in args.seeds:
-            warm = args.out / "warm" / f"{level}-s{seed}"
-            warm.mkdir(parents=True, exist_ok=True)
-            for method in args.methods:
-                rows.append(run_one(level, method, seed, args.iterations, args.out, warm))
-                print(rows[-1], flush=True)
-                write_results(rows, args.out)
+        HORIZON[level] = expert_path_mean(level)
+    rows: list[dict] = []
+    cells = [(level, seed) for level in args.levels for seed in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        warms = dict(zip(cells, pool.map(lambda c: warm_start_once(*c, args.out), cells)))
+        jobs = [(level, method, seed) for (level, seed) in cells for method in args.methods]
+        for row in pool.map(lambda j: run_one(j[0], j[1], j[2], args.iterations, args.out, warms[(j[0], j[2])]), jobs):
+            rows.append(row)
+            print(row, flush=True)
+            write_results(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,27 @@ def test_resume_continues_the_task_stream(tmp_path):
         assert got and got <= want
     iterations = [int(float(r["rollout/iteration"])) for r in metrics_rows(out) if r.get("rollout/iteration")]
     assert iterations == [0, 1, 2, 3]  # the resumed run continued at iteration 2 instead of restarting
+
+
+@pytest.mark.slow
+def test_shortened_quickstart_writes_the_report(tmp_path):
+    """`python train.py` (the quickstart) cut to a couple of iterations: warm start, RL, report."""
+    out = tmp_path / "quickstart"
+    proc = run_train(
+        f"output_dir={out}", "num_iterations=2", "data.tasks_per_batch=2", "data.group_size=4", "evaluation.num_tasks=8",
+        "evaluation.every_n_iterations=1", "warm_start.episodes=40", "warm_start.steps=4", "trainer.enable_progress_bar=false",
+    )
+    assert "warm start: 4 steps" in proc.stdout
+    assert "eval success:" in proc.stdout and "report/index.html" in proc.stdout
+    shard = list((out / "warm_start").glob("demos-PickupObj-40-*.tar"))
+    assert len(shard) == 1 and list((out / "warm_start").glob("policy-*.pt"))
+    page = (out / "report" / "index.html").read_text()
+    images = [part.split("'")[0].split('"')[0] for part in page.split("src=")[1:]]
+    assert {"learning_curve.png", "horizon.png", "credit_0.png"} <= {i.strip("'\"") for i in images}
+    for image in images:
+        data = (out / "report" / image.strip("'\"")).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
+    assert "Which turn won the game" in page
+    assert page.count("</td></tr>") >= 3  # per-turn rows of a real trajectory: action, B_k, dB_k, w_k
+    evals = [r for r in metrics_rows(out) if r.get("eval/success")]
+    assert [float(r["eval/iteration"]) for r in evals] == [0.0, 1.0, 2.0]

@@ -319,3 +319,23 @@ def test_step_never_raises(action: str) -> None:
 
 
 _FUZZ_ENV = BabyAIEnv("PutNextLocal", split="eval", compute_expert_steps=False)
+
+
+def test_pickup_obj_is_one_object_to_pick_up() -> None:
+    """The quickstart's level: one object in the room, and the mission names it."""
+    env = BabyAIEnv("PickupObj", split="eval")
+    for k in range(EVAL_TASKS):
+        obs, info = env.reset(options={"task_index": k})
+        assert info["task"].startswith("pick up the "), info["task"]
+        seen = obs.split("You see: ")[1].split(".\n")[0]
+        assert seen == "no objects" or seen.count(";") == 0, seen  # never two objects in view
+        won, steps, info0 = _run_expert(env, k)
+        assert won and info0["expert_steps"] == steps
+
+
+def test_pickup_obj_room_size_sets_the_horizon() -> None:
+    means = []
+    for level in ("PickupObjS5", "PickupObj", "PickupObjS12"):
+        env = BabyAIEnv(level, split="eval")
+        means.append(np.mean([env.reset(options={"task_index": k})[1]["expert_steps"] for k in range(30)]))
+    assert means[0] < means[1] < means[2], means
