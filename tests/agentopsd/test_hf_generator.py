@@ -93,6 +93,25 @@ def test_preallocated_cache_changes_nothing(model, tok, monkeypatch):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def test_prefill_by_chunks_and_repeated_prompts_changes_nothing(model, tok, monkeypatch):
+    prompts = random_prompts(tok, seed=13)
+    prompts = prompts + [prompts[1], prompts[3], prompts[1]]  # repeated prompts are prefilled once
+    plan = hf_module._prefill_plan(prompts, budget=20)
+    assert sorted(u for chunk in plan.chunks for u in chunk) == list(range(len(LENGTHS)))
+    assert len(plan.chunks) > 1 and all(len(plan.distinct[c[-1]]) * len(c) <= 20 or len(c) == 1 for c in plan.chunks)
+    sampling = SamplingConfig(max_new_tokens=8, greedy=True, stop_strings=())
+    monkeypatch.setattr(hf_module, "PREFILL_CHUNK_TOKENS", 20)
+    chunked = HFGenerator(model, tok).generate(prompts, sampling)
+    for prompt, gen in zip(prompts, chunked):
+        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
+    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
+    whole = HFGenerator(model, tok).generate(prompts, sampling)
+    for a, b in zip(chunked, whole):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
 def test_stop_strings_cut_each_sequence(model, tok):
     prompts = random_prompts(tok, seed=11)
     free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=16, greedy=True, stop_strings=()))
