@@ -126,7 +126,7 @@ class HFGenerator:
             keep = alive.clone()
             if local_done:
                 keep[0] = True  # synced_gpus: one dummy row keeps this rank's forwards going
-            if can_shrink and not bool(keep.all()):
+            if can_shrink and _worth_shrinking(int((~keep).sum()), keep.numel(), max_new - step - 1):
                 idx = keep.nonzero().flatten()
                 cache.batch_select_indices(idx.to(device))
                 rows, alive, token = rows[idx], alive[idx], token[idx.to(device)]
@@ -226,6 +226,16 @@ class HFGenerator:
         # `tail_tokens` tokens (each at least one byte) is enough to see it.
         tail = self.tokenizer.decode(generated[-table.tail_tokens :].tolist(), skip_special_tokens=False)
         return any(s in tail for s in table.stops)
+
+
+def _worth_shrinking(finished_rows: int, rows: int, steps_left: int) -> bool:
+    """Drop finished rows from the cache now, or keep stepping them (their outputs are ignored)?
+
+    Dropping rows copies the whole KV cache, about what one decode step's attention reads (decode
+    at a large batch is bound by reading the cache); a finished row kept wastes 1/rows of a step per
+    step. Shrinking after every finished row cost ~9% of a 64-row, 64-token rollout on CPU.
+    """
+    return finished_rows > 0 and finished_rows * steps_left >= rows
 
 
 def _choose(

@@ -112,6 +112,26 @@ def test_prefill_by_chunks_and_repeated_prompts_changes_nothing(model, tok, monk
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch):
+    prompts = random_prompts(tok, seed=17)
+    free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=()))
+    stop = tok.decode(list(free[2].token_ids[2:4]))  # row 2 finishes early; the others run on
+    sampling = SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=(stop,))
+    monkeypatch.setattr(hf_module, "_worth_shrinking", lambda *a: True)  # drop each row as it finishes
+    want = HFGenerator(model, tok).generate(prompts, sampling)
+    monkeypatch.setattr(hf_module, "_worth_shrinking", lambda *a: False)  # step every row to the end
+    got = HFGenerator(model, tok).generate(prompts, sampling)
+    assert want[2].finish_reason == "stop" and len(want[2].token_ids) < 12
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_finished_rows_are_dropped_once_keeping_them_costs_more_than_a_cache_copy():
+    assert hf_module._worth_shrinking(0, 64, 100) is False
+    assert hf_module._worth_shrinking(1, 64, 10) is False and hf_module._worth_shrinking(8, 64, 10) is True
+
+
 def test_stop_strings_cut_each_sequence(model, tok):
     prompts = random_prompts(tok, seed=11)
     free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=16, greedy=True, stop_strings=()))
