@@ -264,23 +264,82 @@ def _choose(
 
 # Prefill is compute-bound: its cost follows the number of padded tokens it runs, not the batch size
 # (tiny policy on one CPU core: ~0.11 ms per token at batch 1 and at batch 64 alike). One left-padded
-# prefill of the whole batch pays for every row's padding up to the longest prompt, and once per copy
-# of a repeated prompt (a task's G copies open with the same one). So each distinct prompt is run
-# once, shortest first, in chunks of at most this many padded tokens (which also bounds activation
-# memory), and the chunks' keys/values are copied into the shared, left-padded cache.
+# prefill of the whole batch pays for every row's padding up to the longest prompt, once per copy of
+# a repeated prompt (a task's G copies open with the same one), and once per row for a prefix that
+# rows share (the G copies keep the system prompt, the task and early observations in common). So
+# each distinct prompt is run once; a prefix shared by a group of prompts is run once and its
+# keys/values are reused by the group; rows run in length-sorted chunks of at most this many padded
+# tokens (which also bounds activation memory), and the results are copied into the shared,
+# left-padded cache: decoding then sees exactly the layout a single prefill would have made.
 PREFILL_CHUNK_TOKENS = 8192
+MIN_SHARED_PREFIX = 16
+"""Prefixes shorter than this are recomputed per prompt: sharing costs a forward and some copies."""
 
 
 @dataclass
 class _PrefillPlan:
-    """Distinct prompts, chunks of them to prefill together, and which cache rows each one fills."""
+    """Distinct prompts, the prefixes groups of them share, and the chunks to run."""
 
     distinct: list[tuple[int, ...]]
-    chunks: list[list[int]]  # indices into ``distinct``, ascending length within and across chunks
     rows: list[list[int]]  # distinct index -> the batch rows holding that prompt
+    group: list[int]  # distinct index -> index into ``prefixes``, or -1 (nothing shared)
+    prefixes: list[tuple[int, ...]]
+    prefix_chunks: list[list[int]]  # indices into ``prefixes``
+    chunks: list[list[int]]  # indices into ``distinct``: the part after the shared prefix
+
+    def shared(self, u: int) -> int:
+        return len(self.prefixes[self.group[u]]) if self.group[u] >= 0 else 0
 
 
-def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int) -> _PrefillPlan:
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _prefix_groups(distinct: list[tuple[int, ...]], min_shared: int) -> list[tuple[list[int], int]]:
+    """(members, shared prefix length) covering every distinct prompt; each keeps >= 1 own token.
+
+    In lexicographic order a group's common prefix is the smallest common prefix of neighbours, so
+    one pass suffices. A prompt joins the current group when the tokens saved do not drop
+    (n members sharing ``s`` tokens save (n - 1) * s).
+    """
+    order = sorted(range(len(distinct)), key=lambda u: distinct[u])
+    groups: list[tuple[list[int], int]] = []
+    members, shared = [order[0]], len(distinct[order[0]]) - 1
+    for prev, u in zip(order, order[1:]):
+        joined = min(shared, _common_prefix(distinct[prev], distinct[u]), len(distinct[u]) - 1)
+        n = len(members)
+        if joined >= min_shared and joined * n >= shared * (n - 1):
+            members.append(u)
+            shared = joined
+        else:
+            groups.append((members, shared))
+            members, shared = [u], len(distinct[u]) - 1
+    groups.append((members, shared))
+    return groups
+
+
+def _chunks(items: list[int], parts: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
+    """Split ``items`` (sorted by their second part) so a chunk padded to (max first + max second) stays in budget."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    head = tail = 0
+    for i in items:
+        h, t = max(head, parts[i][0]), max(tail, parts[i][1])
+        if current and (len(current) + 1) * (h + t) > budget:
+            chunks.append(current)
+            current, h, t = [], parts[i][0], parts[i][1]
+        current.append(i)
+        head, tail = h, t
+    chunks.append(current)
+    return chunks
+
+
+def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int, min_shared: int = MIN_SHARED_PREFIX) -> _PrefillPlan:
     index: dict[tuple[int, ...], int] = {}
     rows: list[list[int]] = []
     for r, p in enumerate(prompts):
@@ -289,16 +348,19 @@ def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int) -> _PrefillPlan
             rows.append([])
         rows[u].append(r)
     distinct = list(index)  # dicts keep insertion order: position == distinct index
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    for u in sorted(range(len(distinct)), key=lambda u: len(distinct[u])):
-        # sorted ascending, so the newest prompt sets the chunk's padded width
-        if current and (len(current) + 1) * len(distinct[u]) > budget:
-            chunks.append(current)
-            current = []
-        current.append(u)
-    chunks.append(current)
-    return _PrefillPlan(distinct, chunks, rows)
+    group = [-1] * len(distinct)
+    prefixes: list[tuple[int, ...]] = []
+    for members, shared in _prefix_groups(distinct, min_shared):
+        if len(members) > 1:
+            for u in members:
+                group[u] = len(prefixes)
+            prefixes.append(distinct[members[0]][:shared])
+    prefix_parts = [(0, len(p)) for p in prefixes]
+    prefix_chunks = _chunks(sorted(range(len(prefixes)), key=lambda g: len(prefixes[g])), prefix_parts, budget)
+    plan = _PrefillPlan(distinct, rows, group, prefixes, prefix_chunks if prefixes else [], [])
+    parts = [(plan.shared(u), len(distinct[u]) - plan.shared(u)) for u in range(len(distinct))]
+    plan.chunks = _chunks(sorted(range(len(distinct)), key=lambda u: parts[u][1]), parts, budget)
+    return plan
 
 
 def _prefill_in_chunks(
@@ -306,25 +368,57 @@ def _prefill_in_chunks(
 ) -> torch.Tensor:
     """Fill ``cache`` (preallocated layers) with every prompt left-padded to ``width``; last logits [B, V].
 
-    Each row's keys/values depend only on its own tokens (position ids count real tokens), so a row
-    computed in a small chunk is the row the full batch would have computed.
+    A row's keys/values depend only on its own tokens (position ids count real tokens, padding is
+    masked), so computing them in a chunk, or on top of a prefix computed once, gives the same row.
     """
     plan = _prefill_plan(prompts, PREFILL_CHUNK_TOKENS)
-    logits: torch.Tensor | None = None
-    for chunk in plan.chunks:
-        sub = [plan.distinct[u] for u in chunk]
-        w = len(sub[-1])
+    prefix_kv: list[tuple] = [()] * len(plan.prefixes)  # group -> (chunk cache, its row, its width)
+    for chunk in plan.prefix_chunks:
+        sub = [plan.prefixes[g] for g in chunk]
+        w = max(len(p) for p in sub)
         ids, attn = _left_pad(sub, w, 0, pad_id)
         ids, attn = ids.to(device), attn.to(device)
         part = _new_cache(model, capacity=w)
-        out = forward(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), into=part)
-        src = torch.tensor([j for j, u in enumerate(chunk) for _ in plan.rows[u]], device=device)
-        dst = torch.tensor([r for u in chunk for r in plan.rows[u]], device=device)
+        forward(ids, attn, (attn.cumsum(-1) - 1).clamp(min=0), into=part)
+        for j, g in enumerate(chunk):
+            prefix_kv[g] = (part, j, w)
+    logits: torch.Tensor | None = None
+    for chunk in plan.chunks:
+        shared = [plan.shared(u) for u in chunk]
+        own = [plan.distinct[u][s:] for u, s in zip(chunk, shared)]
+        head, tail = max(shared), max(len(o) for o in own)
+        part = _new_cache(model, capacity=head + tail)
+        for g in sorted({plan.group[u] for u in chunk if plan.group[u] >= 0}):
+            local = torch.tensor([j for j, u in enumerate(chunk) if plan.group[u] == g], device=device)
+            src, row, w = prefix_kv[g]
+            n = len(plan.prefixes[g])
+            for layer, piece in zip(part.layers, src.layers):
+                keys, values = piece.keys[row : row + 1, :, w - n :], piece.values[row : row + 1, :, w - n :]
+                layer.write_rows(local, head - n, keys, values, batch=len(chunk))
+        ids, own_mask = _left_pad(own, tail, 0, pad_id)
+        shared_t = torch.tensor(shared)
+        head_mask = (torch.arange(head)[None, :] >= head - shared_t[:, None]).long()
+        attn = torch.cat([head_mask, own_mask], dim=1).to(device)
+        pos = (shared_t[:, None] + own_mask.cumsum(-1) - 1).clamp(min=0).to(device)
+        out = forward(ids.to(device), attn, pos, into=part)
         if logits is None:
             logits = out.new_empty(len(prompts), out.shape[-1])
-        logits[dst] = out[src]
-        for layer, piece in zip(cache.layers, part.layers):
-            layer.write_rows(dst, width - w, piece.keys[src], piece.values[src], batch=len(prompts))
+        # Copy rows into the final cache, packed against its right edge: one indexed copy per
+        # (shared, own) length pair, since those fix where a row's tokens sit on both sides.
+        by_shape: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+        for j, (u, s, o) in enumerate(zip(chunk, shared, own)):
+            src_rows, dst_rows = by_shape.setdefault((s, len(o)), ([], []))
+            src_rows += [j] * len(plan.rows[u])
+            dst_rows += plan.rows[u]
+        for (s, o), (src_rows, dst_rows) in by_shape.items():
+            src_t, dst_t = torch.tensor(src_rows, device=device), torch.tensor(dst_rows, device=device)
+            logits[dst_t] = out[src_t]
+            for layer, piece in zip(cache.layers, part.layers):
+                if s:
+                    keys, values = piece.keys[src_t, :, head - s : head], piece.values[src_t, :, head - s : head]
+                    layer.write_rows(dst_t, width - s - o, keys, values, batch=len(prompts))
+                keys, values = piece.keys[src_t, :, head + tail - o :], piece.values[src_t, :, head + tail - o :]
+                layer.write_rows(dst_t, width - o, keys, values, batch=len(prompts))
     assert logits is not None
     return logits
 

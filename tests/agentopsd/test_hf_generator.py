@@ -112,6 +112,36 @@ def test_prefill_by_chunks_and_repeated_prompts_changes_nothing(model, tok, monk
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [8192, 40], ids=["one-chunk", "many-chunks"])
+def test_shared_prefixes_are_prefilled_once_and_change_nothing(model, tok, monkeypatch, budget):
+    base, tails = random_prompts(tok, lengths=(20,), seed=23)[0], random_prompts(tok, lengths=(3, 7, 1, 5, 9), seed=29)
+    other = random_prompts(tok, lengths=(11,), seed=31)[0]
+    prompts = [base + tails[0], base + tails[1], other, base + tails[2], base[:18] + tails[3], base + tails[1], base]
+    plan = hf_module._prefill_plan(prompts, budget=budget)
+    assert [len(p) for p in plan.prefixes] == [18]  # all but `other` share 18 tokens; `base` keeps >= 1 own
+    assert plan.group[plan.distinct.index(tuple(other))] == -1
+    sampling = SamplingConfig(max_new_tokens=6, greedy=True, stop_strings=())
+    monkeypatch.setattr(hf_module, "PREFILL_CHUNK_TOKENS", budget)
+    shared = HFGenerator(model, tok).generate(prompts, sampling)
+    for prompt, gen in zip(prompts, shared):
+        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
+    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
+    whole = HFGenerator(model, tok).generate(prompts, sampling)
+    for a, b in zip(shared, whole):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_prefix_groups_share_only_where_it_saves_tokens():
+    a, b, c = (1,) * 30 + (2,), (1,) * 30 + (3, 4), (1,) * 10 + (5,)
+    groups = hf_module._prefix_groups([a, b, c], min_shared=16)
+    assert sorted((sorted(m), s) for m, s in groups) == [([0, 1], 30), ([2], 10)]  # 10 < 16: not shared
+    # a third member sharing only 20 of the pair's 30 tokens saves 2 * 20 >= 30: it joins
+    d = (1,) * 20 + (6,)
+    assert sorted((sorted(m), s) for m, s in hf_module._prefix_groups([a, b, d], 16)) == [([0, 1, 2], 20)]
+
+
 def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch):
     prompts = random_prompts(tok, seed=17)
     free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=()))
