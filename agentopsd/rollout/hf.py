@@ -518,14 +518,20 @@ def _preallocated_layer_class() -> type | None:
             return self.keys, self.values
 
         def write_rows(self, rows: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, batch: int) -> None:
-            """Prefill by parts: keys/values [r, h, n, d] of cache rows ``rows`` at positions start..start+n."""
+            """Prefill by parts: keys/values [r, h, n, d] of cache rows ``rows`` at positions start..start+n.
+
+            Every write of one prefill ends at the same position; later positions are filled by
+            ``update`` before anything reads them.
+            """
             if not self.is_initialized:
                 self.device = keys.device
                 b, h, d_k, d_v = batch, keys.shape[1], keys.shape[-1], values.shape[-1]
-                # zeros, not empty: padding slots are masked out, but attention still multiplies their
-                # values by a zero weight, and uninitialized memory may hold NaN (NaN * 0 = NaN)
-                self.key_buf = keys.new_zeros(b, h, self.capacity, d_k)
-                self.value_buf = values.new_zeros(b, h, self.capacity, d_v)
+                self.key_buf = keys.new_empty(b, h, self.capacity, d_k)
+                self.value_buf = values.new_empty(b, h, self.capacity, d_v)
+                # zeros up to the end of the prompt part: padding slots are masked out, but attention
+                # still multiplies their values by a zero weight, and stale memory may hold NaN
+                self.key_buf[:, :, : start + keys.shape[-2]] = 0
+                self.value_buf[:, :, : start + keys.shape[-2]] = 0
                 self.length = 0
                 self.is_initialized = True
             n = keys.shape[-2]
