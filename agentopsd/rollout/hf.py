@@ -98,9 +98,10 @@ class HFGenerator:
             out = model(input_ids=ids, attention_mask=attn, position_ids=pos, **kwargs)
             return out.logits[:, -1, :].float()
 
-        if _preallocated_layers(cache):
-            logits = _prefill_in_chunks(model, forward, prompts, cache, width, self._pad_id(), device)
-        else:
+        plan = _prefill_plan(prompts, PREFILL_CHUNK_TOKENS) if _preallocated_layers(cache) else None
+        if plan is not None and not plan.is_one_padded_batch(batch):
+            logits = _prefill_in_chunks(model, forward, plan, cache, width, self._pad_id(), device)
+        else:  # nothing to save (e.g. one prompt): prefill straight into the cache, no copies
             logits = forward(input_ids, mask[:, :width], position_ids)
         stop_table = self._stop_table(sampling.stop_strings, logits.shape[-1])
         eos_ids = torch.tensor(self._eos_ids(model), dtype=torch.long)
@@ -287,6 +288,10 @@ class _PrefillPlan:
     prefix_chunks: list[list[int]]  # indices into ``prefixes``
     chunks: list[list[int]]  # indices into ``distinct``: the part after the shared prefix
 
+    def is_one_padded_batch(self, batch: int) -> bool:
+        """True when the plan is a single left-padded prefill of every row (nothing repeated or shared)."""
+        return len(self.chunks) == 1 and not self.prefixes and len(self.distinct) == batch
+
     def shared(self, u: int) -> int:
         return len(self.prefixes[self.group[u]]) if self.group[u] >= 0 else 0
 
@@ -364,14 +369,14 @@ def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int, min_shared: int
 
 
 def _prefill_in_chunks(
-    model: nn.Module, forward, prompts: Sequence[Sequence[int]], cache, width: int, pad_id: int, device: torch.device
+    model: nn.Module, forward, plan: _PrefillPlan, cache, width: int, pad_id: int, device: torch.device
 ) -> torch.Tensor:
     """Fill ``cache`` (preallocated layers) with every prompt left-padded to ``width``; last logits [B, V].
 
     A row's keys/values depend only on its own tokens (position ids count real tokens, padding is
     masked), so computing them in a chunk, or on top of a prefix computed once, gives the same row.
     """
-    plan = _prefill_plan(prompts, PREFILL_CHUNK_TOKENS)
+    batch = sum(len(r) for r in plan.rows)
     prefix_kv: list[tuple] = [()] * len(plan.prefixes)  # group -> (chunk cache, its row, its width)
     for chunk in plan.prefix_chunks:
         sub = [plan.prefixes[g] for g in chunk]
@@ -402,7 +407,7 @@ def _prefill_in_chunks(
         pos = (shared_t[:, None] + own_mask.cumsum(-1) - 1).clamp(min=0).to(device)
         out = forward(ids.to(device), attn, pos, into=part)
         if logits is None:
-            logits = out.new_empty(len(prompts), out.shape[-1])
+            logits = out.new_empty(batch, out.shape[-1])
         # Copy rows into the final cache, packed against its right edge: one indexed copy per
         # (shared, own) length pair, since those fix where a row's tokens sit on both sides.
         by_shape: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
@@ -414,11 +419,12 @@ def _prefill_in_chunks(
             src_t, dst_t = torch.tensor(src_rows, device=device), torch.tensor(dst_rows, device=device)
             logits[dst_t] = out[src_t]
             for layer, piece in zip(cache.layers, part.layers):
+                # own tokens first: the first write into the cache must end at `width` (see write_rows)
+                keys, values = piece.keys[src_t, :, head + tail - o :], piece.values[src_t, :, head + tail - o :]
+                layer.write_rows(dst_t, width - o, keys, values, batch=batch)
                 if s:
                     keys, values = piece.keys[src_t, :, head - s : head], piece.values[src_t, :, head - s : head]
-                    layer.write_rows(dst_t, width - s - o, keys, values, batch=len(prompts))
-                keys, values = piece.keys[src_t, :, head + tail - o :], piece.values[src_t, :, head + tail - o :]
-                layer.write_rows(dst_t, width - o, keys, values, batch=len(prompts))
+                    layer.write_rows(dst_t, width - s - o, keys, values, batch=batch)
     assert logits is not None
     return logits
 
@@ -480,6 +486,13 @@ def _new_cache(model: nn.Module, capacity: int):
 _PREALLOCATED: type | None = None
 
 
+def _select_rows(buf: torch.Tensor, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """A new [len(rows), h, capacity, d] buffer holding positions :length of ``rows``."""
+    out = buf.new_empty(len(rows), *buf.shape[1:])
+    out[:, :, :length] = buf[rows, :, :length]
+    return out
+
+
 def _preallocated_layer_class() -> type | None:
     """A ``DynamicLayer`` writing into buffers of fixed capacity (built once, lazily)."""
     global _PREALLOCATED
@@ -520,8 +533,8 @@ def _preallocated_layer_class() -> type | None:
         def write_rows(self, rows: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor, batch: int) -> None:
             """Prefill by parts: keys/values [r, h, n, d] of cache rows ``rows`` at positions start..start+n.
 
-            Every write of one prefill ends at the same position; later positions are filled by
-            ``update`` before anything reads them.
+            The first write must end where the prompt part of the cache ends: positions up to there
+            are zeroed, later ones are filled by ``update`` before anything reads them.
             """
             if not self.is_initialized:
                 self.device = keys.device
@@ -544,7 +557,9 @@ def _preallocated_layer_class() -> type | None:
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             if self.is_initialized:
-                self.key_buf, self.value_buf = self.key_buf[indices], self.value_buf[indices]
+                # copy the filled positions only: the rest is written before it is read
+                self.key_buf = _select_rows(self.key_buf, indices, self.length)
+                self.value_buf = _select_rows(self.value_buf, indices, self.length)
                 self._refresh_views()
 
         def _refresh_views(self) -> None:
