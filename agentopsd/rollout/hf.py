@@ -4,9 +4,12 @@ Why not ``model.generate``: the trainer needs log softmax(logits / T) of each ch
 the full vocabulary (before top-p), exact stop-string handling per sequence, and dropping finished
 rows from the batch; a 40-line loop gives all three directly.
 
-One step costs one batched forward of the rows still running. Per-token Python work is O(batch)
-small tensor ops; stop strings are checked by decoding a short tail only for rows whose new token
-could complete one (a per-vocabulary lookup table built once per tokenizer and stop set).
+Prefill runs each distinct prompt once and a prefix shared by a group of prompts once (see
+``PREFILL_CHUNK_TOKENS``). One decode step costs one batched forward of the rows still running;
+finished rows are dropped once keeping them would cost more than copying the cache. Per-token
+Python work is O(batch) small tensor ops; stop strings are checked by decoding a short tail only for
+rows whose new token could complete one (a per-vocabulary lookup table built once per tokenizer and
+stop set).
 """
 
 from __future__ import annotations
