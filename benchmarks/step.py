@@ -7,6 +7,11 @@ Prints three figures:
 2. lockstep batched rollouts / a per-environment sequential loop, environment turns per second
    at 64 environments (target >= 10x);
 3. the credit step's share of an AgentOPSD iteration (target < 1%).
+
+``--figures 2`` runs only the rollout comparison. ``--response-tokens N`` adds a second figure [2]
+where every turn generates N tokens (no stop string; only EOS ends a turn early): real agents write
+a think block before the action, tens to hundreds of tokens, while the untrained tiny policy's
+default turn is at most 12 tokens, so the default figure is dominated by prompt prefill.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from dataclasses import replace
 
 import torch
 
@@ -22,7 +28,10 @@ from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import collate_trajectories, sample_tasks
 from agentopsd.module import AgentRLModule
+from agentopsd.rollout.base import SamplingConfig
+from agentopsd.rollout.collector import Collector
 from agentopsd.tiny import tiny_policy
+from agentopsd.types import TaskSpec
 
 
 def build(env_id: str, skills: str, algorithm, model, tokenizer, max_turns: int, max_general: int | None) -> AgentRLModule:
@@ -67,6 +76,25 @@ def iteration_seconds(module: AgentRLModule, trajectories, repeats: int = 3) -> 
     return best, credit_best
 
 
+def lockstep_vs_sequential(collector: Collector, tasks: list[TaskSpec], sampling: SamplingConfig) -> str:
+    """Environment turns per second: all tasks in lockstep, then 8 of them one at a time."""
+    collector._envs(tasks[0].split, len(tasks))  # build the env pool untimed: both loops then reuse it
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    batched = collector.collect(tasks, with_teacher=False, sampling=sampling)
+    t_batched = time.perf_counter() - t0
+    tokens_batched = collector.stats.generated_tokens
+    turns_batched = sum(len(t.turns) for t in batched)
+    subset = tasks[:8]  # the sequential loop is slow: time 8 episodes and compare rates
+    t0 = time.perf_counter()
+    sequential = [collector.collect([task], with_teacher=False, sampling=sampling)[0] for task in subset]
+    t_seq = time.perf_counter() - t0
+    turns_seq = sum(len(t.turns) for t in sequential)
+    rate_b, rate_s = turns_batched / t_batched, turns_seq / t_seq
+    return (f"lockstep {rate_b:.1f} env turns/s ({len(tasks)} envs, {tokens_batched / turns_batched:.1f} tokens/turn) "
+            f"vs sequential {rate_s:.1f} turns/s: {rate_b / rate_s:.1f}x (target >= 10x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--env", default="agentopsd/BabyAI-GoToLocal-v0")
@@ -74,40 +102,38 @@ def main() -> None:
     parser.add_argument("--envs", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--skill-max-general", type=int, default=None, help="general skills kept in the teacher view (default: all)")
+    parser.add_argument("--figures", default="1,2,3", help="which figures to measure, e.g. 2 (1 and 3 come together)")
+    parser.add_argument("--response-tokens", type=int, default=0,
+                        help="also measure [2] with N generated tokens per turn (think-then-act length); 0 = off")
     args = parser.parse_args()
+    figures = {int(f) for f in args.figures.split(",")}
     model, tokenizer = tiny_policy(args.env, skills=args.skills)
     tasks = sample_tasks(args.env, 50, args.envs // 8, 8, 0, seed=0)
-
-    # 1 + 3: the same rollouts, scored and updated by each algorithm from the same weights
     grpo = build(args.env, args.skills, Algorithm(), model, tokenizer, args.max_turns, args.skill_max_general)
-    opsd = build(args.env, args.skills, AgentOPSD(), model, tokenizer, args.max_turns, args.skill_max_general)
-    t0 = time.perf_counter()
-    opsd.model.eval()
-    trajectories = opsd.collector.collect(tasks, with_teacher=True)
-    rollout_s = time.perf_counter() - t0
-    opsd.model.train()
-    t_grpo, _ = iteration_seconds(grpo, trajectories)
-    t_opsd, t_credit = iteration_seconds(opsd, trajectories)
-    total_grpo, total_opsd = rollout_s + t_grpo, rollout_s + t_opsd
-    print(f"iteration: rollout {rollout_s:.2f}s | GRPO update {t_grpo:.2f}s | AgentOPSD teacher+credit+update {t_opsd:.2f}s")
-    print(f"[1] AgentOPSD / GRPO iteration time: {total_opsd / total_grpo:.3f} (target <= 1.3)")
-    print(f"[3] credit share of an AgentOPSD iteration: {100 * t_credit / total_opsd:.3f}% ({t_credit * 1e3:.2f} ms; target < 1%)")
 
-    # 2: lockstep against one environment at a time, same model and turn limit
-    collector = grpo.collector
-    grpo.model.eval()
-    torch.manual_seed(0)
-    t0 = time.perf_counter()
-    batched = collector.collect(tasks, with_teacher=False)
-    t_batched = time.perf_counter() - t0
-    turns_batched = sum(len(t.turns) for t in batched)
-    subset = tasks[:8]  # the sequential loop is slow: time 8 episodes and compare rates
-    t0 = time.perf_counter()
-    sequential = [collector.collect([task], with_teacher=False)[0] for task in subset]
-    t_seq = time.perf_counter() - t0
-    turns_seq = sum(len(t.turns) for t in sequential)
-    rate_b, rate_s = turns_batched / t_batched, turns_seq / t_seq
-    print(f"[2] lockstep {rate_b:.1f} env turns/s ({len(tasks)} envs) vs sequential {rate_s:.1f} turns/s: {rate_b / rate_s:.1f}x (target >= 10x)")
+    if figures & {1, 3}:
+        # 1 + 3: the same rollouts, scored and updated by each algorithm from the same weights
+        opsd = build(args.env, args.skills, AgentOPSD(), model, tokenizer, args.max_turns, args.skill_max_general)
+        t0 = time.perf_counter()
+        opsd.model.eval()
+        trajectories = opsd.collector.collect(tasks, with_teacher=True)
+        rollout_s = time.perf_counter() - t0
+        opsd.model.train()
+        t_grpo, _ = iteration_seconds(grpo, trajectories)
+        t_opsd, t_credit = iteration_seconds(opsd, trajectories)
+        total_grpo, total_opsd = rollout_s + t_grpo, rollout_s + t_opsd
+        print(f"iteration: rollout {rollout_s:.2f}s | GRPO update {t_grpo:.2f}s | AgentOPSD teacher+credit+update {t_opsd:.2f}s")
+        print(f"[1] AgentOPSD / GRPO iteration time: {total_opsd / total_grpo:.3f} (target <= 1.3)")
+        print(f"[3] credit share of an AgentOPSD iteration: {100 * t_credit / total_opsd:.3f}% ({t_credit * 1e3:.2f} ms; target < 1%)")
+
+    if 2 in figures:
+        # 2: lockstep against one environment at a time, same model, turn limit and code path
+        collector = grpo.collector
+        grpo.model.eval()
+        print(f"[2] {lockstep_vs_sequential(collector, tasks, collector.sampling)}")
+        if args.response_tokens > 0:
+            long = replace(collector.sampling, max_new_tokens=args.response_tokens, stop_strings=())
+            print(f"[2] {args.response_tokens}-token turns: {lockstep_vs_sequential(collector, tasks, long)}")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,75 @@ def test_preallocated_cache_changes_nothing(model, tok, monkeypatch):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def test_prefill_by_chunks_and_repeated_prompts_changes_nothing(model, tok, monkeypatch):
+    prompts = random_prompts(tok, seed=13)
+    prompts = prompts + [prompts[1], prompts[3], prompts[1]]  # repeated prompts are prefilled once
+    plan = hf_module._prefill_plan(prompts, budget=20)
+    assert sorted(u for chunk in plan.chunks for u in chunk) == list(range(len(LENGTHS)))
+    assert len(plan.chunks) > 1 and all(len(plan.distinct[c[-1]]) * len(c) <= 20 or len(c) == 1 for c in plan.chunks)
+    sampling = SamplingConfig(max_new_tokens=8, greedy=True, stop_strings=())
+    monkeypatch.setattr(hf_module, "PREFILL_CHUNK_TOKENS", 20)
+    chunked = HFGenerator(model, tok).generate(prompts, sampling)
+    for prompt, gen in zip(prompts, chunked):
+        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
+    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
+    whole = HFGenerator(model, tok).generate(prompts, sampling)
+    for a, b in zip(chunked, whole):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [8192, 40], ids=["one-chunk", "many-chunks"])
+def test_shared_prefixes_are_prefilled_once_and_change_nothing(model, tok, monkeypatch, budget):
+    base, tails = random_prompts(tok, lengths=(20,), seed=23)[0], random_prompts(tok, lengths=(3, 7, 1, 5, 9), seed=29)
+    other = random_prompts(tok, lengths=(11,), seed=31)[0]
+    prompts = [base + tails[0], base + tails[1], other, base + tails[2], base[:18] + tails[3], base + tails[1], base]
+    plan = hf_module._prefill_plan(prompts, budget=budget)
+    assert [len(p) for p in plan.prefixes] == [18]  # all but `other` share 18 tokens; `base` keeps >= 1 own
+    assert plan.group[plan.distinct.index(tuple(other))] == -1
+    sampling = SamplingConfig(max_new_tokens=6, greedy=True, stop_strings=())
+    monkeypatch.setattr(hf_module, "PREFILL_CHUNK_TOKENS", budget)
+    shared = HFGenerator(model, tok).generate(prompts, sampling)
+    for prompt, gen in zip(prompts, shared):
+        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
+    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
+    whole = HFGenerator(model, tok).generate(prompts, sampling)
+    for a, b in zip(shared, whole):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_prefix_groups_share_only_where_it_saves_tokens():
+    a, b, c = (1,) * 30 + (2,), (1,) * 30 + (3, 4), (1,) * 10 + (5,)
+    groups = hf_module._prefix_groups([a, b, c], min_shared=16)
+    assert sorted((sorted(m), s) for m, s in groups) == [([0, 1], 30), ([2], 10)]  # 10 < 16: not shared
+    # a third member sharing only 20 of the pair's 30 tokens saves 2 * 20 >= 30: it joins
+    d = (1,) * 20 + (6,)
+    assert sorted((sorted(m), s) for m, s in hf_module._prefix_groups([a, b, d], 16)) == [([0, 1, 2], 20)]
+
+
+def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch):
+    prompts = random_prompts(tok, seed=17)
+    free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=()))
+    stop = tok.decode(list(free[2].token_ids[2:4]))  # row 2 finishes early; the others run on
+    sampling = SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=(stop,))
+    monkeypatch.setattr(hf_module, "_worth_shrinking", lambda *a: True)  # drop each row as it finishes
+    want = HFGenerator(model, tok).generate(prompts, sampling)
+    monkeypatch.setattr(hf_module, "_worth_shrinking", lambda *a: False)  # step every row to the end
+    got = HFGenerator(model, tok).generate(prompts, sampling)
+    assert want[2].finish_reason == "stop" and len(want[2].token_ids) < 12
+    for a, b in zip(got, want):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_finished_rows_are_dropped_once_keeping_them_costs_more_than_a_cache_copy():
+    assert hf_module._worth_shrinking(0, 64, 100) is False
+    assert hf_module._worth_shrinking(1, 64, 10) is False and hf_module._worth_shrinking(8, 64, 10) is True
+
+
 def test_stop_strings_cut_each_sequence(model, tok):
     prompts = random_prompts(tok, seed=11)
     free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=16, greedy=True, stop_strings=()))
