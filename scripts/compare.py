@@ -98,7 +98,7 @@ def write_results(rows: list[dict], out: Path) -> None:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    levels = list(dict.fromkeys(r["level"] for r in rows))
+    levels = sorted(dict.fromkeys(r["level"] for r in rows), key=lambda lv: HORIZON.get(lv, 0.0))
     lines = ["| method | " + " | ".join(levels) + " | slope (points per extra turn) |", "|---" * (len(levels) + 2) + "|"]
     import matplotlib
 
