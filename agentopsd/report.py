@@ -82,11 +82,17 @@ def plot_horizon(rows: list[dict[str, float]], path: Path) -> dict[str, tuple[fl
 
 
 def pick_credit_examples(records: list[dict]) -> list[dict]:
-    """The latest won and the latest lost trajectory with several turns and credit values."""
-    usable = [r for r in records if len(r["turns"]) >= 3 and "belief" in r["turns"][0] and r["seq_advantage"] != 0]
+    """The latest won and the latest lost trajectory with several turns and credit values.
+
+    Trajectories whose group had mixed outcomes (A_seq != 0) come first: their multipliers
+    act. When no group had mixed outcomes yet (an early or short run), the latest trajectory
+    with credit values is shown anyway: its beliefs and revisions are still what the teacher saw.
+    """
+    with_credit = [r for r in records if len(r["turns"]) >= 3 and "belief" in r["turns"][0]]
+    usable = [r for r in with_credit if r["seq_advantage"] != 0]
     won = [r for r in usable if r["success"]]
     lost = [r for r in usable if not r["success"]]
-    return won[-1:] + lost[-1:]
+    return (won[-1:] + lost[-1:]) or with_credit[-1:]
 
 
 def plot_credit(record: dict, path: Path) -> None:

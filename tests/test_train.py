@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,13 +96,13 @@ def test_shortened_quickstart_writes_the_report(tmp_path):
     )
     assert "warm start: 4 steps" in proc.stdout
     assert "eval success:" in proc.stdout and "report/index.html" in proc.stdout
-    shard = list((out / "warm_start").glob("demos-PickupObj-40-*.tar"))
+    shard = list((out / "warm_start").glob("demos-BabyAI-PickupObj-v0-40-*.tar"))
     assert len(shard) == 1 and list((out / "warm_start").glob("policy-*.pt"))
     page = (out / "report" / "index.html").read_text()
-    images = [part.split("'")[0].split('"')[0] for part in page.split("src=")[1:]]
-    assert {"learning_curve.png", "horizon.png", "credit_0.png"} <= {i.strip("'\"") for i in images}
+    images = re.findall(r"src=['\"]([^'\"]+)['\"]", page)
+    assert {"learning_curve.png", "horizon.png", "credit_0.png"} <= set(images)
     for image in images:
-        data = (out / "report" / image.strip("'\"")).read_bytes()
+        data = (out / "report" / image).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
     assert "Which turn won the game" in page
     assert page.count("</td></tr>") >= 3  # per-turn rows of a real trajectory: action, B_k, dB_k, w_k
