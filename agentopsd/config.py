@@ -100,5 +100,7 @@ class EvalConfig:
     """How many tasks of the environment's eval split (always the first ones: the same every run)."""
     every_n_iterations: int = 0
     """0 = only before training and at the end."""
+    before_training: bool = True
+    """Evaluate the initial weights too (off when many runs share one warm start already evaluated)."""
     max_turns: int | None = None
     """Defaults to env.max_turns."""

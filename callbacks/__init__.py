@@ -18,7 +18,7 @@ def default_callbacks(cfg, output_dir: Path) -> list:
 
     callbacks = [
         CreditCallback(),
-        EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations),
+        EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations, before_training=cfg.evaluation.get("before_training", True)),
         IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations),
         RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
     ]

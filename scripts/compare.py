@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import shutil
 import statistics
@@ -62,13 +63,19 @@ def _train(level: str, method: str, seed: int, iterations: int, run_dir: Path, e
 def warm_start_once(level: str, seed: int, out: Path) -> Path:
     """Make the (level, seed) warm start once: a minimal run whose cached weights the others copy."""
     warm = out / "warm" / f"{level}-s{seed}"
-    if not any(warm.glob("policy-*.pt")):
+    if not any(warm.glob("policy-*.pt")) or not (warm / "before.json").exists():
         run_dir = out / "runs" / f"{level}-warm-s{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        _train(level, "grpo", seed, 1, run_dir, ["evaluation.num_tasks=1", "data.tasks_per_batch=1", "data.group_size=2"])
+        (run_dir / "warm_start").mkdir(parents=True)
+        for cached in warm.glob("*"):  # weights made earlier are reused, only the evaluation runs
+            shutil.copy(cached, run_dir / "warm_start" / cached.name)
+        # one tiny iteration; the evaluation before it is the warm start's success, shared by every method
+        _train(level, "grpo", seed, 1, run_dir, ["data.tasks_per_batch=1", "data.group_size=2"])
         warm.mkdir(parents=True, exist_ok=True)
         for made in (run_dir / "warm_start").glob("*"):
             shutil.copy(made, warm / made.name)
+        before, _ = last_eval(run_dir)
+        (warm / "before.json").write_text(json.dumps(before))
     return warm
 
 
@@ -79,8 +86,10 @@ def run_one(level: str, method: str, seed: int, iterations: int, out: Path, warm
     (run_dir / "warm_start").mkdir(parents=True)
     for cached in warm.glob("*"):  # the shared warm start of this (level, seed)
         shutil.copy(cached, run_dir / "warm_start" / cached.name)
-    _train(level, method, seed, iterations, run_dir, [])
-    before, after = last_eval(run_dir)
+    # evaluated once after RL only: the warm start's evaluation is shared (warm/before.json)
+    _train(level, method, seed, iterations, run_dir, ["evaluation.before_training=false", "evaluation.every_n_iterations=0"])
+    _, after = last_eval(run_dir)
+    before = json.loads((warm / "before.json").read_text())
     row = {"level": level, "method": method, "seed": seed, "iterations": iterations,
            "success_before": before["eval/success"], "success_after": after["eval/success"],
            "expert_steps_mean": HORIZON[level]}
@@ -146,7 +155,8 @@ def main() -> None:
     for level in args.levels:
         HORIZON[level] = expert_path_mean(level)
     rows: list[dict] = []
-    cells = [(level, seed) for level in args.levels for seed in args.seeds]
+    # seed-major: a grid cut short still has every method and level of its first seeds
+    cells = [(level, seed) for seed in args.seeds for level in args.levels]
     with ThreadPoolExecutor(args.jobs) as pool:
         warms = dict(zip(cells, pool.map(lambda c: warm_start_once(*c, args.out), cells)))
         jobs = [(level, method, seed) for (level, seed) in cells for method in args.methods]
