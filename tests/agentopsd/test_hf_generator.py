@@ -93,6 +93,19 @@ def test_preallocated_cache_changes_nothing(model, tok, monkeypatch):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
+def _assert_exact_and_same_as_one_prefill(model, tok, prompts, sampling, monkeypatch) -> None:
+    """Generations match a full forward, and the same call with one padded prefill."""
+    planned = HFGenerator(model, tok).generate(prompts, sampling)
+    for prompt, gen in zip(prompts, planned):
+        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
+    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
+    whole = HFGenerator(model, tok).generate(prompts, sampling)
+    for a, b in zip(planned, whole):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
 def test_prefill_by_chunks_and_repeated_prompts_changes_nothing(model, tok, monkeypatch):
     prompts = random_prompts(tok, seed=13)
     prompts = prompts + [prompts[1], prompts[3], prompts[1]]  # repeated prompts are prefilled once
@@ -101,15 +114,7 @@ def test_prefill_by_chunks_and_repeated_prompts_changes_nothing(model, tok, monk
     assert len(plan.chunks) > 1 and all(len(plan.distinct[c[-1]]) * len(c) <= 20 or len(c) == 1 for c in plan.chunks)
     sampling = SamplingConfig(max_new_tokens=8, greedy=True, stop_strings=())
     monkeypatch.setattr(hf_module, "PREFILL_CHUNK_TOKENS", 20)
-    chunked = HFGenerator(model, tok).generate(prompts, sampling)
-    for prompt, gen in zip(prompts, chunked):
-        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
-        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
-    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
-    whole = HFGenerator(model, tok).generate(prompts, sampling)
-    for a, b in zip(chunked, whole):
-        assert a.token_ids == b.token_ids
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    _assert_exact_and_same_as_one_prefill(model, tok, prompts, sampling, monkeypatch)
 
 
 @pytest.mark.parametrize("budget", [8192, 40], ids=["one-chunk", "many-chunks"])
@@ -122,15 +127,7 @@ def test_shared_prefixes_are_prefilled_once_and_change_nothing(model, tok, monke
     assert plan.group[plan.distinct.index(tuple(other))] == -1
     sampling = SamplingConfig(max_new_tokens=6, greedy=True, stop_strings=())
     monkeypatch.setattr(hf_module, "PREFILL_CHUNK_TOKENS", budget)
-    shared = HFGenerator(model, tok).generate(prompts, sampling)
-    for prompt, gen in zip(prompts, shared):
-        ref = reference_logprobs(model, prompt, list(gen.token_ids), 1.0)
-        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4)
-    monkeypatch.setattr(hf_module, "_preallocated_layer_class", lambda: None)  # one padded prefill
-    whole = HFGenerator(model, tok).generate(prompts, sampling)
-    for a, b in zip(shared, whole):
-        assert a.token_ids == b.token_ids
-        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+    _assert_exact_and_same_as_one_prefill(model, tok, prompts, sampling, monkeypatch)
 
 
 def test_prefix_groups_share_only_where_it_saves_tokens():
