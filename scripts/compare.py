@@ -31,14 +31,34 @@ METHODS = ["grpo", "agentopsd", "agentopsd_token", "agentopsd_raw_gap", "agentop
 LEVELS = {"PickupObjS5": 8, "PickupObj": 12, "PickupObjS12": 26}
 
 
-def last_eval(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
-    """The first and last evaluation rows of a run's CSV log."""
+def _log_rows(run_dir: Path) -> list[dict[str, float]]:
     rows = []
     for path in sorted((run_dir / "csv").glob("version_*/metrics.csv")):
         with path.open() as f:
             rows += [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f)]
-    evals = [r for r in rows if "eval/success" in r]
+    return rows
+
+
+def last_eval(run_dir: Path) -> tuple[dict[str, float], dict[str, float]]:
+    """The first and last evaluation rows of a run's CSV log."""
+    evals = [r for r in _log_rows(run_dir) if "eval/success" in r]
     return evals[0], evals[-1]
+
+
+CREDIT_STATS = ["credit/mean_abs_revision", "credit/frac_at_band_edge", "credit/evidence_mean", "credit/evidence_std",
+                "credit/evidence_outcome_corr", "credit/multiplier_std"]
+
+
+def training_stats(run_dir: Path) -> dict[str, float]:
+    """Per-run means over the RL iterations: training success (temperature 1, the learning speed the
+    final evaluation may hide once it saturates) and the credit statistics of methods that have them."""
+    logged = _log_rows(run_dir)
+    out: dict[str, float] = {}
+    for key, name in [("rollout/success", "train_success_mean"), *[(k, k.replace("credit/", "credit_")) for k in CREDIT_STATS]]:
+        vals = [r[key] for r in logged if key in r and r[key] == r[key]]  # NaN: no group with mixed outcomes
+        if vals:
+            out[name] = statistics.mean(vals)
+    return out
 
 
 def expert_path_mean(level: str, num_tasks: int = 100) -> float:
@@ -81,19 +101,23 @@ def warm_start_once(level: str, seed: int, out: Path) -> Path:
 
 def run_one(level: str, method: str, seed: int, iterations: int, out: Path, warm: Path) -> dict:
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    (run_dir / "warm_start").mkdir(parents=True)
-    for cached in warm.glob("*"):  # the shared warm start of this (level, seed)
-        shutil.copy(cached, run_dir / "warm_start" / cached.name)
-    # evaluated once after RL only: the warm start's evaluation is shared (warm/before.json)
-    _train(level, method, seed, iterations, run_dir, ["evaluation.before_training=false", "evaluation.every_n_iterations=0"])
+    done = run_dir / "finished"
+    if not done.exists():  # a run finished in an earlier invocation is read back: a grid cut short resumes
+        shutil.rmtree(run_dir, ignore_errors=True)
+        (run_dir / "warm_start").mkdir(parents=True)
+        for cached in warm.glob("*"):  # the shared warm start of this (level, seed)
+            shutil.copy(cached, run_dir / "warm_start" / cached.name)
+        # evaluated once after RL only: the warm start's evaluation is shared (warm/before.json)
+        _train(level, method, seed, iterations, run_dir, ["evaluation.before_training=false", "evaluation.every_n_iterations=0"])
+        done.write_text(f"{iterations}\n")
+    iterations = int(done.read_text())
     _, after = last_eval(run_dir)
     before = json.loads((warm / "before.json").read_text())
     row = {"level": level, "method": method, "seed": seed, "iterations": iterations,
            "success_before": before["eval/success"], "success_after": after["eval/success"],
            "expert_steps_mean": HORIZON[level]}
     row.update({k.replace("eval/success/horizon/", "horizon_"): v for k, v in after.items() if k.startswith("eval/success/horizon/")})
+    row.update(training_stats(run_dir))
     return row
 
 
@@ -131,6 +155,25 @@ def write_results(rows: list[dict], out: Path) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "horizon.png", dpi=110)
+    lines += ["", "Training success (temperature 1), mean over the RL iterations: how fast each method learns.", "",
+              "| method | " + " | ".join(levels) + " |", "|---" * (len(levels) + 1) + "|"]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        cells = []
+        for level in levels:
+            vals = [r["train_success_mean"] for r in rows if r["method"] == method and r["level"] == level and "train_success_mean" in r]
+            cells.append(f"{100 * statistics.mean(vals):.1f} ± {100 * (statistics.pstdev(vals) if len(vals) > 1 else 0.0):.1f}" if vals else "")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    credit_rows = [r for r in rows if any(k.startswith("credit_") for k in r)]
+    if credit_rows:
+        names = [k.replace("credit/", "credit_") for k in CREDIT_STATS]
+        lines += ["", "Credit statistics, mean over every run and iteration of a method (the `credit/` metrics).", "",
+                  "| method | level | " + " | ".join(n.removeprefix("credit_") for n in names) + " |", "|---" * (len(names) + 2) + "|"]
+        for method in dict.fromkeys(r["method"] for r in credit_rows):
+            for level in levels:
+                group = [r for r in credit_rows if r["method"] == method and r["level"] == level]
+                if group:
+                    cells = [f"{statistics.mean(r[n] for r in group if n in r):.3f}" if any(n in r for r in group) else "" for n in names]
+                    lines.append(f"| {method} | {level} | " + " | ".join(cells) + " |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
 
 
