@@ -139,8 +139,9 @@ def write_results(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        cells, xs, ys = [], [], []
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for m_index, method in enumerate(methods):
+        cells, xs, ys, errs = [], [], [], []
         for level in levels:
             vals = [r["success_after"] for r in rows if r["method"] == method and r["level"] == level]
             spread = statistics.pstdev(vals) if len(vals) > 1 else 0.0
@@ -148,10 +149,13 @@ def write_results(rows: list[dict], out: Path) -> None:
             if vals:
                 xs.append(HORIZON[level])
                 ys.append(100 * statistics.mean(vals))
+                errs.append(100 * spread)
         slope = _slope(xs, ys)
         lines.append(f"| {method} | " + " | ".join(cells) + f" | {slope:+.2f} |")
-        ax.plot(xs, ys, "o-", label=f"{method} ({slope:+.2f}/turn)")
-    ax.set(xlabel="horizon (the expert's mean path length on the eval list, turns)", ylabel="eval success after RL (%)", title="Success against horizon")
+        # spread over seeds as error bars; methods nudged apart on x so their bars stay readable
+        nudge = 0.06 * (m_index - (len(methods) - 1) / 2)
+        ax.errorbar([x + nudge for x in xs], ys, yerr=errs, fmt="o-", capsize=3, label=f"{method} ({slope:+.2f}/turn)")
+    ax.set(xlabel="horizon (the expert's mean path length on the eval list, turns)", ylabel="eval success after RL (%)", title="Success against horizon (mean and spread over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "horizon.png", dpi=110)
