@@ -102,7 +102,9 @@ def warm_start_once(level: str, seed: int, out: Path) -> Path:
 def run_one(level: str, method: str, seed: int, iterations: int, out: Path, warm: Path) -> dict:
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
     done = run_dir / "finished"
-    if not done.exists():  # a run finished in an earlier invocation is read back: a grid cut short resumes
+    # a run finished in an earlier invocation with the same budget is read back: a grid cut short
+    # resumes where it stopped; a different --iterations trains again rather than mixing budgets
+    if not done.exists() or int(done.read_text()) != iterations:
         shutil.rmtree(run_dir, ignore_errors=True)
         (run_dir / "warm_start").mkdir(parents=True)
         for cached in warm.glob("*"):  # the shared warm start of this (level, seed)
@@ -110,7 +112,6 @@ def run_one(level: str, method: str, seed: int, iterations: int, out: Path, warm
         # evaluated once after RL only: the warm start's evaluation is shared (warm/before.json)
         _train(level, method, seed, iterations, run_dir, ["evaluation.before_training=false", "evaluation.every_n_iterations=0"])
         done.write_text(f"{iterations}\n")
-    iterations = int(done.read_text())
     _, after = last_eval(run_dir)
     before = json.loads((warm / "before.json").read_text())
     row = {"level": level, "method": method, "seed": seed, "iterations": iterations,

@@ -33,7 +33,7 @@ def _fake_run(run_dir: Path, train_success: list[float], eval_success: float, co
     (run_dir / "finished").write_text(f"{len(train_success)}\n")
 
 
-def test_rows_tables_and_plot_come_from_the_run_logs(compare, tmp_path: Path) -> None:
+def test_rows_tables_and_plot_come_from_the_run_logs(compare, tmp_path: Path, monkeypatch) -> None:
     warm = tmp_path / "warm" / "PickupObjS5-s0"
     warm.mkdir(parents=True)
     (warm / "before.json").write_text(json.dumps({"eval/success": 0.1}))
@@ -41,10 +41,12 @@ def test_rows_tables_and_plot_come_from_the_run_logs(compare, tmp_path: Path) ->
     _fake_run(tmp_path / "runs" / "PickupObjS5-grpo-s0", [0.2, 0.4], 0.9, None)
     _fake_run(tmp_path / "runs" / "PickupObjS5-agentopsd-s0", [0.4, 0.8], 1.0, 0.3)
     _fake_run(tmp_path / "runs" / "PickupObj-agentopsd-s0", [0.0, 0.2], 0.5, float("nan"))
-    # a finished run is read back, never trained again (train.py would fail here: no config)
-    rows = [compare.run_one(level, method, 0, 99, tmp_path, warm) for level, method in
+    trained: list[tuple] = []
+    monkeypatch.setattr(compare, "_train", lambda *args: trained.append(args))
+    # a finished run with the same budget is read back, never trained again
+    rows = [compare.run_one(level, method, 0, 2, tmp_path, warm) for level, method in
             [("PickupObjS5", "grpo"), ("PickupObjS5", "agentopsd"), ("PickupObj", "agentopsd")]]
-    assert [r["iterations"] for r in rows] == [2, 2, 2]
+    assert trained == [] and [r["iterations"] for r in rows] == [2, 2, 2]
     assert rows[1]["success_before"] == pytest.approx(0.1) and rows[1]["success_after"] == pytest.approx(1.0)
     assert rows[1]["train_success_mean"] == pytest.approx(0.6)
     assert rows[1]["credit_evidence_outcome_corr"] == pytest.approx(0.3)
@@ -60,3 +62,25 @@ def test_rows_tables_and_plot_come_from_the_run_logs(compare, tmp_path: Path) ->
     assert (tmp_path / "horizon.png").stat().st_size > 1000
     with (tmp_path / "runs.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 3
+
+
+def test_a_different_budget_trains_again(compare, tmp_path: Path, monkeypatch) -> None:
+    warm = tmp_path / "warm" / "PickupObjS5-s0"
+    warm.mkdir(parents=True)
+    (warm / "before.json").write_text(json.dumps({"eval/success": 0.0}))
+    compare.HORIZON["PickupObjS5"] = 3.8
+    run_dir = tmp_path / "runs" / "PickupObjS5-grpo-s0"
+    _fake_run(run_dir, [0.2, 0.4], 0.9, None)
+
+    def train(level, method, seed, iterations, out_dir, extra):  # stands in for train.py: a fresh log
+        trained.append(iterations)
+        assert not (out_dir / "csv").exists()  # the old run's log was removed first
+        _fake_run(out_dir, [0.5] * iterations, 0.7, None)
+        (out_dir / "finished").unlink()  # run_one writes the marker itself
+
+    trained: list[int] = []
+    monkeypatch.setattr(compare, "_train", train)
+    row = compare.run_one("PickupObjS5", "grpo", 0, 3, tmp_path, warm)
+    assert trained == [3]
+    assert row["iterations"] == 3 and row["success_after"] == pytest.approx(0.7)
+    assert (run_dir / "finished").read_text() == "3\n"
