@@ -28,6 +28,7 @@ from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logpr
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
+from agentopsd.scoring import hidden_at
 from agentopsd.skills import SkillBank
 from agentopsd.types import RolloutBatch, TaskSpec
 
@@ -228,8 +229,11 @@ class AgentRLModule(L.LightningModule):
         decoder, head = getattr(model, "get_decoder", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)()
         # a sharded root gathers its own parameters (embeddings, head) only when called itself
         if decoder is not None and head is not None and not self._sharded:
-            hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
-            logits = head(hidden[source])
+            if torch.is_grad_enabled():
+                hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
+            else:  # scoring only (teacher view, old or reference logprobs): shared prompt prefixes run once
+                hidden = hidden_at(decoder, ids, attn, source)
+            logits = head(hidden)
         else:
             logits = model(input_ids=ids, attention_mask=attn).logits[source]
         return logits, ids[amask]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentopsd.rollout.base import Generation, SamplingConfig
+from agentopsd.scoring import MIN_SHARED_PREFIX, shared_prefixes
 
 _REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
 
@@ -276,8 +277,6 @@ def _choose(
 # tokens (which also bounds activation memory), and the results are copied into the shared,
 # left-padded cache: decoding then sees exactly the layout a single prefill would have made.
 PREFILL_CHUNK_TOKENS = 8192
-MIN_SHARED_PREFIX = 16
-"""Prefixes shorter than this are recomputed per prompt: sharing costs a forward and some copies."""
 
 
 @dataclass
@@ -297,38 +296,6 @@ class _PrefillPlan:
 
     def shared(self, u: int) -> int:
         return len(self.prefixes[self.group[u]]) if self.group[u] >= 0 else 0
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _prefix_groups(distinct: list[tuple[int, ...]], min_shared: int) -> list[tuple[list[int], int]]:
-    """(members, shared prefix length) covering every distinct prompt; each keeps >= 1 own token.
-
-    In lexicographic order a group's common prefix is the smallest common prefix of neighbours, so
-    one pass suffices. A prompt joins the current group when the tokens saved do not drop
-    (n members sharing ``s`` tokens save (n - 1) * s).
-    """
-    order = sorted(range(len(distinct)), key=lambda u: distinct[u])
-    groups: list[tuple[list[int], int]] = []
-    members, shared = [order[0]], len(distinct[order[0]]) - 1
-    for prev, u in zip(order, order[1:]):
-        joined = min(shared, _common_prefix(distinct[prev], distinct[u]), len(distinct[u]) - 1)
-        n = len(members)
-        if joined >= min_shared and joined * n >= shared * (n - 1):
-            members.append(u)
-            shared = joined
-        else:
-            groups.append((members, shared))
-            members, shared = [u], len(distinct[u]) - 1
-    groups.append((members, shared))
-    return groups
 
 
 def _chunks(items: list[int], parts: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
@@ -358,8 +325,8 @@ def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int, min_shared: int
     distinct = list(index)  # dicts keep insertion order: position == distinct index
     group = [-1] * len(distinct)
     prefixes: list[tuple[int, ...]] = []
-    for members, shared in _prefix_groups(distinct, min_shared):
-        if len(members) > 1:
+    for members, shared in shared_prefixes(distinct, min_shared):
+        if shared:
             for u in members:
                 group[u] = len(prefixes)
             prefixes.append(distinct[members[0]][:shared])

@@ -130,15 +130,6 @@ def test_shared_prefixes_are_prefilled_once_and_change_nothing(model, tok, monke
     _assert_exact_and_same_as_one_prefill(model, tok, prompts, sampling, monkeypatch)
 
 
-def test_prefix_groups_share_only_where_it_saves_tokens():
-    a, b, c = (1,) * 30 + (2,), (1,) * 30 + (3, 4), (1,) * 10 + (5,)
-    groups = hf_module._prefix_groups([a, b, c], min_shared=16)
-    assert sorted((sorted(m), s) for m, s in groups) == [([0, 1], 30), ([2], 10)]  # 10 < 16: not shared
-    # a third member sharing only 20 of the pair's 30 tokens saves 2 * 20 >= 30: it joins
-    d = (1,) * 20 + (6,)
-    assert sorted((sorted(m), s) for m, s in hf_module._prefix_groups([a, b, d], 16)) == [([0, 1, 2], 20)]
-
-
 def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch):
     prompts = random_prompts(tok, seed=17)
     free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=()))

@@ -1,0 +1,76 @@
+"""agentopsd.scoring: shared prompt prefixes computed once give the plain forward's hidden states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from agentopsd.scoring import hidden_at, shared_prefixes
+
+
+def test_prefix_groups_share_only_where_it_saves_tokens():
+    a, b, c = (1,) * 30 + (2,), (1,) * 30 + (3, 4), (1,) * 10 + (5,)
+    groups = shared_prefixes([a, b, c], min_shared=16)
+    assert sorted((sorted(m), s) for m, s in groups) == [([0, 1], 30), ([2], 0)]  # alone: nothing shared
+    # a third member sharing only 20 of the pair's 30 tokens saves 2 * 20 >= 30: it joins
+    d = (1,) * 20 + (6,)
+    assert sorted((sorted(m), s) for m, s in shared_prefixes([a, b, d], 16)) == [([0, 1, 2], 20)]
+    # 10 tokens in common < 16: each row alone; identical rows share all but their last token
+    assert sorted((sorted(m), s) for m, s in shared_prefixes([c, c], 16)) == [([0], 0), ([1], 0)]
+    assert shared_prefixes([a, a], 16) == [([0, 1], 30)]
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(cfg).eval()
+    return model.get_decoder()
+
+
+def _batch(rows: list[list[int]], actions: list[int]):
+    """Right-padded ids/mask, and the positions predicting each row's last ``actions[r]`` tokens."""
+    width = max(len(r) for r in rows) + 2
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    source = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (r, n) in enumerate(zip(rows, actions)):
+        ids[i, : len(r)] = torch.tensor(r)
+        attn[i, : len(r)] = 1
+        source[i, len(r) - n - 1 : len(r) - 1] = True
+    return ids, attn, source
+
+
+def test_hidden_states_equal_the_plain_forward(decoder):
+    g = torch.Generator().manual_seed(1)
+    skill_a = torch.randint(3, 64, (40,), generator=g).tolist()
+    skill_b = torch.randint(3, 64, (25,), generator=g).tolist()
+    rows, actions = [], []
+    for prefix in (skill_a, skill_b):  # several turns per task: a shared prefix, then their own part
+        for _ in range(3):
+            own = torch.randint(3, 64, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            rows.append(prefix + own)
+            actions.append(min(3, len(own) - 1))
+    rows.append(torch.randint(3, 64, (30,), generator=g).tolist())  # a row sharing nothing
+    actions.append(4)
+    rows.append(skill_a[:20] + [5, 6])  # shares fewer tokens with the skill_a group
+    actions.append(1)
+    ids, attn, source = _batch(rows, actions)
+    with torch.no_grad():
+        plain = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
+        shared = hidden_at(decoder, ids, attn, source)
+        assert torch.equal(hidden_at(decoder, ids, attn, source, min_shared=10_000), plain)  # nothing shared: plain path
+    assert shared.shape == plain.shape
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_the_shared_part_stops_before_the_first_scored_position(decoder):
+    # identical prompts whose scored positions start early: the prefix must not swallow them
+    prompt = list(range(3, 40))
+    rows = [prompt, prompt, prompt[:30] + [7, 8, 9]]
+    ids, attn, source = _batch(rows, [20, 20, 2])
+    with torch.no_grad():
+        plain = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
+        torch.testing.assert_close(hidden_at(decoder, ids, attn, source), plain, atol=1e-5, rtol=1e-5)
