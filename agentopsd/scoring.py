@@ -50,8 +50,9 @@ def shared_prefixes(rows: list[tuple[int, ...]], min_shared: int = MIN_SHARED_PR
     return [(m, s if len(m) > 1 and s >= min_shared else 0) for m, s in groups]
 
 
-def _cache_kwarg(decoder: nn.Module) -> str:
-    params = inspect.signature(decoder.forward).parameters
+def cache_kwarg(model: nn.Module) -> str:
+    """The name of the KV-cache argument of this transformers version's forward."""
+    params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
 
@@ -77,7 +78,7 @@ def hidden_at(decoder: nn.Module, ids: Tensor, attn: Tensor, source: Tensor, min
     if not prefixes:
         return decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
     device = ids.device
-    cache_kw = _cache_kwarg(decoder)
+    cache_kw = cache_kwarg(decoder)
     # 1. every shared prefix once, right-padded: slot j of a prefix holds its token j
     head = max(len(p) for p in prefixes)
     p_ids = torch.zeros(len(prefixes), head, dtype=ids.dtype, device=device)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentopsd.rollout.base import Generation, SamplingConfig
-from agentopsd.scoring import MIN_SHARED_PREFIX, shared_prefixes
+from agentopsd.scoring import MIN_SHARED_PREFIX, cache_kwarg, shared_prefixes
 
 _REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
 
@@ -427,10 +427,10 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 def _forward_kwarg_names(model: nn.Module) -> tuple[str, str | None]:
     """(cache argument, logits-to-keep argument) of this transformers version's forward."""
-    params = inspect.signature(_base_model(model).forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
+    base = _base_model(model)
+    params = inspect.signature(base.forward).parameters
     keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
-    return cache_kw, keep_kw
+    return cache_kwarg(base), keep_kw
 
 
 def _new_cache(model: nn.Module, capacity: int):
