@@ -13,6 +13,7 @@ padding is masked out), so the result equals the plain forward up to float round
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -24,30 +25,64 @@ MIN_SHARED_PREFIX = 16
 def shared_prefixes(rows: list[tuple[int, ...]], min_shared: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
     """Groups of rows and the prefix length each group shares; every row is in exactly one group.
 
-    Each row keeps at least its last token outside the shared part. In lexicographic order a
-    group's common prefix is the smallest common prefix of neighbours, so one pass suffices; a row
-    joins the current group while that does not lower the tokens saved ((n - 1) * shared). Groups
-    of one row share nothing (length 0).
+    The partition saves the most tokens, sum over groups of (n - 1) * shared. Each row keeps at
+    least its last token outside the shared part. In lexicographic order the prefix common to a
+    run of rows is the smallest common prefix of neighbours in it, and a best partition uses runs
+    only, so a dynamic programme over the sorted rows finds it. Greedy merging is not enough:
+    identical prompts (a no-history turn repeated by every copy) sharing all their ~1,000 tokens
+    must not stop the rest of their task from sharing its ~900. Groups of one row share nothing.
     """
-    order = sorted(range(len(rows)), key=lambda r: rows[r])
-    groups: list[tuple[list[int], int]] = []
-    members, shared = [order[0]], len(rows[order[0]]) - 1
-    for prev, r in zip(order, order[1:]):
+    n = len(rows)
+    order = sorted(range(n), key=lambda r: rows[r])
+    # link[i]: what order[i - 1] and order[i] can share (common prefix, each keeping a token)
+    link = [0] * n
+    for i in range(1, n):
+        a, b = rows[order[i - 1]], rows[order[i]]
+        limit = min(len(a), len(b)) - 1
         common = 0
-        for x, y in zip(rows[prev], rows[r]):
-            if x != y:
-                break
+        while common < limit and a[common] == b[common]:
             common += 1
-        joined = min(shared, common, len(rows[r]) - 1)
-        n = len(members)
-        if joined >= min_shared and joined * n >= shared * (n - 1):
-            members.append(r)
-            shared = joined
-        else:
-            groups.append((members, shared))
-            members, shared = [r], len(rows[r]) - 1
-    groups.append((members, shared))
-    return [(m, s if len(m) > 1 and s >= min_shared else 0) for m, s in groups]
+        link[i] = common
+    best = [0] * (n + 1)  # best[i]: tokens saved by a partition of the first i sorted rows
+    cut = [0] * (n + 1)  # where the last group of that partition starts
+    shared_of = [0] * (n + 1)
+    for i in range(1, n + 1):
+        best[i], cut[i], shared_of[i] = best[i - 1], i - 1, 0  # the i-th row alone
+        shared = len(rows[order[i - 1]])
+        for j in range(i - 2, -1, -1):  # the group order[j : i]
+            shared = min(shared, link[j + 1])
+            if shared < min_shared:
+                break  # earlier starts only share less
+            value = best[j] + (i - 1 - j) * shared
+            if value > best[i]:
+                best[i], cut[i], shared_of[i] = value, j, shared
+    groups: list[tuple[list[int], int]] = []
+    i = n
+    while i > 0:
+        groups.append(([order[k] for k in range(cut[i], i)], shared_of[i]))
+        i = cut[i]
+    return groups[::-1]
+
+
+def pack_by_length(items: list[int], parts: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
+    """Split ``items`` (sorted by their second part) so that a chunk padded to (max first + max
+    second) tokens per row stays within ``budget`` tokens; a longer single row gets its own chunk.
+
+    Sorting by length keeps rows of similar length together: padding to the longest in a chunk
+    then wastes little, where one padded batch pays every row up to the longest row of all.
+    """
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    head = tail = 0
+    for i in items:
+        h, t = max(head, parts[i][0]), max(tail, parts[i][1])
+        if current and (len(current) + 1) * (h + t) > budget:
+            chunks.append(current)
+            current, h, t = [], parts[i][0], parts[i][1]
+        current.append(i)
+        head, tail = h, t
+    chunks.append(current)
+    return chunks
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -56,10 +91,21 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
 
-def hidden_at(decoder: nn.Module, ids: Tensor, attn: Tensor, source: Tensor, min_shared: int = MIN_SHARED_PREFIX) -> Tensor:
+SCORING_CHUNK_TOKENS = 16384
+"""Padded tokens (shared part plus own part, per row) of one forward over rows' own parts."""
+
+
+def hidden_at(
+    decoder: nn.Module, ids: Tensor, attn: Tensor, source: Tensor,
+    min_shared: int = MIN_SHARED_PREFIX, budget: int = SCORING_CHUNK_TOKENS,
+) -> Tensor:
     """Last hidden states at the ``source`` positions of right-padded rows, ``[source.sum(), hidden]``
     in row-major order: what ``decoder(ids, attn).last_hidden_state[source]`` returns, with every
-    prefix shared by two or more rows computed once. Run it without gradient."""
+    prefix shared by two or more rows computed once. Run it without gradient.
+
+    The rows' own parts run in chunks of similar length (see :func:`pack_by_length`): a row that
+    shares little would otherwise pad every other row's short remainder to its full length.
+    """
     batch = ids.shape[0]
     lengths = attn.sum(1).tolist()
     has_source = source.any(1)
@@ -88,26 +134,44 @@ def hidden_at(decoder: nn.Module, ids: Tensor, attn: Tensor, source: Tensor, min
         p_mask[g, : len(p)] = 1
     out = decoder(input_ids=p_ids, attention_mask=p_mask, use_cache=True)
     prefix_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
-    # 2. each row's copy of its prefix (rows sharing nothing get masked-out slots)
+    # 2. each row's own part on top of its prefix, positions continuing after it, in chunks
     from transformers import DynamicCache
 
-    pick = torch.tensor(group_of, device=device)
-    rows_cache = DynamicCache()
-    for layer_idx, layer in enumerate(prefix_cache.layers):
-        rows_cache.update(layer.keys[pick], layer.values[pick], layer_idx)
-    shared_t = torch.tensor(shared, device=device)
-    head_mask = (torch.arange(head, device=device)[None, :] < shared_t[:, None]).to(attn.dtype)
-    # 3. the rest of every row on top, positions continuing after its own prefix
-    tail = max(int(lengths[r]) - shared[r] for r in range(batch))
-    t_ids = torch.zeros(batch, tail, dtype=ids.dtype, device=device)
-    t_mask = torch.zeros(batch, tail, dtype=attn.dtype, device=device)
-    t_source = torch.zeros(batch, tail, dtype=torch.bool, device=device)
-    for r in range(batch):
-        n = int(lengths[r]) - shared[r]
-        t_ids[r, :n] = ids[r, shared[r] : shared[r] + n]
-        t_mask[r, :n] = 1
-        t_source[r, :n] = source[r, shared[r] : shared[r] + n]
-    positions = shared_t[:, None] + torch.arange(tail, device=device)[None, :]
-    hidden = decoder(input_ids=t_ids, attention_mask=torch.cat([head_mask, t_mask], dim=1), position_ids=positions,
-                     use_cache=False, **{cache_kw: rows_cache}).last_hidden_state
-    return hidden[t_source]
+    counts = source.sum(1).tolist()
+    offsets = [0] * batch
+    for r in range(1, batch):
+        offsets[r] = offsets[r - 1] + int(counts[r - 1])
+    result: Tensor | None = None
+    parts = [(shared[r], int(lengths[r]) - shared[r]) for r in range(batch)]
+    for chunk in pack_by_length(sorted(range(batch), key=lambda r: parts[r][1]), parts, budget):
+        c_head = max(shared[r] for r in chunk)
+        tail = max(parts[r][1] for r in chunk)
+        if tail == 0:
+            continue  # empty rows: nothing to run, nothing scored
+        t_ids = torch.zeros(len(chunk), tail, dtype=ids.dtype, device=device)
+        t_mask = torch.zeros(len(chunk), tail, dtype=attn.dtype, device=device)
+        t_source = torch.zeros(len(chunk), tail, dtype=torch.bool, device=device)
+        for j, r in enumerate(chunk):
+            s, n = shared[r], parts[r][1]
+            t_ids[j, :n] = ids[r, s : s + n]
+            t_mask[j, :n] = 1
+            t_source[j, :n] = source[r, s : s + n]
+        c_shared = torch.tensor([shared[r] for r in chunk], device=device)
+        positions = c_shared[:, None] + torch.arange(tail, device=device)[None, :]
+        kwargs = {}
+        if c_head:  # the chunk's rows' prefixes (rows sharing nothing get masked-out slots)
+            pick = torch.tensor([group_of[r] for r in chunk], device=device)
+            rows_cache = DynamicCache()
+            for layer_idx, layer in enumerate(prefix_cache.layers):
+                rows_cache.update(layer.keys[pick, :, :c_head], layer.values[pick, :, :c_head], layer_idx)
+            head_mask = (torch.arange(c_head, device=device)[None, :] < c_shared[:, None]).to(attn.dtype)
+            t_mask = torch.cat([head_mask, t_mask], dim=1)
+            kwargs[cache_kw] = rows_cache
+        hidden = decoder(input_ids=t_ids, attention_mask=t_mask, position_ids=positions, use_cache=False, **kwargs)
+        hidden = hidden.last_hidden_state[t_source]
+        if result is None:
+            result = hidden.new_empty(sum(int(c) for c in counts), hidden.shape[-1])
+        dst = [offsets[r] + k for r in chunk for k in range(int(counts[r]))]
+        result[torch.tensor(dst, dtype=torch.long, device=device)] = hidden
+    assert result is not None
+    return result

@@ -57,11 +57,17 @@ def tiny_policy(
     num_layers: int = 3,
     num_heads: int = 4,
     intermediate_size: int = 768,
+    num_kv_heads: int = 1,
     text_episodes: int = 40,
     seed: int = 0,
     cache_dir: str | None = None,
 ):
-    """``(model, tokenizer)``: the cached tiny tokenizer and a freshly initialized tiny Qwen2."""
+    """``(model, tokenizer)``: the cached tiny tokenizer and a freshly initialized tiny Qwen2.
+
+    ``num_kv_heads`` < ``num_heads`` is grouped-query attention, as in every Qwen2.5 model (3B: 16
+    query heads share 2 key/value heads): generation then runs the real models' GQA code paths, and
+    each decode step reads a KV cache ``num_heads / num_kv_heads`` times smaller.
+    """
     from agentopsd.models import build_tiny_policy
     from agentopsd.tokenizer import load_or_train_tokenizer
 
@@ -70,6 +76,7 @@ def tiny_policy(
     tokenizer = load_or_train_tokenizer(
         cache, key, lambda: environment_texts(env_id, text_episodes, output_format=output_format, skills=skills), vocab_size
     )
-    overrides = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads, "intermediate_size": intermediate_size}
+    overrides = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
+                 "intermediate_size": intermediate_size, "num_key_value_heads": num_kv_heads}
     model = build_tiny_policy(tokenizer, overrides, seed=seed)
     return model, tokenizer

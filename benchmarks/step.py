@@ -8,10 +8,11 @@ Prints three figures:
    at 64 environments (target >= 10x);
 3. the credit step's share of an AgentOPSD iteration (target < 1%).
 
-``--figures 2`` runs only the rollout comparison. ``--response-tokens N`` adds a second figure [2]
-where every turn generates N tokens (no stop string; only EOS ends a turn early): real agents write
-a think block before the action, tens to hundreds of tokens, while the untrained tiny policy's
-default turn is at most 12 tokens, so the default figure is dominated by prompt prefill.
+``--figures 2`` runs only the rollout comparison. Figure [2] is printed twice: for the untrained tiny
+policy's own turns (at most 12 tokens of ``<action>...</action>``, so prompt prefill dominates),
+and for think-length turns of ``--response-tokens`` tokens (default 128; no stop string, only EOS
+ends a turn early). The paper's setups write a think block before the action (``think_action``
+format, up to 512 new tokens per turn), so the second line is the one that looks like them.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=8)
     parser.add_argument("--skill-max-general", type=int, default=None, help="general skills kept in the teacher view (default: all)")
     parser.add_argument("--figures", default="1,2,3", help="which figures to measure, e.g. 2 (1 and 3 come together)")
-    parser.add_argument("--response-tokens", type=int, default=0,
+    parser.add_argument("--response-tokens", type=int, default=128,
                         help="also measure [2] with N generated tokens per turn (think-then-act length); 0 = off")
     args = parser.parse_args()
     figures = {int(f) for f in args.figures.split(",")}
@@ -114,6 +115,7 @@ def main() -> None:
     if figures & {1, 3}:
         # 1 + 3: the same rollouts, scored and updated by each algorithm from the same weights
         opsd = build(args.env, args.skills, AgentOPSD(), model, tokenizer, args.max_turns, args.skill_max_general)
+        torch.manual_seed(0)  # the same rollouts run to run: their prompt lengths set the costs
         t0 = time.perf_counter()
         opsd.model.eval()
         trajectories = opsd.collector.collect(tasks, with_teacher=True)

@@ -3,7 +3,8 @@
 A tiny policy is warm-started the quickstart way (noisy student demonstrations, expert labels
 for the skill-augmented teacher view). Then on its own rollouts: (1) the teacher view's
 evidence is higher for the expert's action than for other actions, and (2) in won episodes
-the key pick-up turn gets one of the two largest belief revisions more often than chance.
+the key pick-up turn's belief revision ranks above the episode's other turns more often than
+chance would have it.
 """
 
 from __future__ import annotations
@@ -104,16 +105,17 @@ def test_decisive_turn_gets_the_credit(tmp_path):
     # (1) the skill-aware teacher favours the expert's action over the others
     assert gap[expert_rows].mean() > gap[other_rows].mean()
 
-    # (2) the decisive turn's revision is among the two largest in won episodes, more often than chance
-    hits, chance, n = 0, 0.0, 0
+    # (2) the decisive turn's |revision| ranks above the episode's other turns more often than not.
+    # Its normalized rank (0: the largest, 1: the smallest, ties counted half) averages 0.5 by
+    # chance; a top-2 count on one batch was too noisy to tell (it sat within one episode of chance).
+    ranks = []
     for i, k in key_turn.items():
         traj = batch.trajectories[i]
         if not traj.success or len(traj.turns) < 4:
             continue
         revisions = credit["revisions"][i, : len(traj.turns)].abs()
-        top2 = set(torch.topk(revisions, 2).indices.tolist())
-        hits += k in top2
-        chance += 2 / len(traj.turns)
-        n += 1
-    assert n >= 5, f"only {n} won episodes with a pick-up turn"
-    assert hits > chance, f"decisive turn in the top 2 in {hits}/{n} episodes; chance {chance:.1f}"
+        others = torch.cat([revisions[:k], revisions[k + 1 :]])
+        ranks.append(((others > revisions[k]).sum() + 0.5 * (others == revisions[k]).sum()).item() / len(others))
+    assert len(ranks) >= 10, f"only {len(ranks)} won episodes with a pick-up turn"
+    mean_rank = sum(ranks) / len(ranks)
+    assert mean_rank < 0.45, f"decisive turn's mean normalized rank {mean_rank:.3f} over {len(ranks)} episodes; chance 0.5"

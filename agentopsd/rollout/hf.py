@@ -6,7 +6,7 @@ rows from the batch; a 40-line loop gives all three directly.
 
 Prefill runs each distinct prompt once and a prefix shared by a group of prompts once (see
 ``PREFILL_CHUNK_TOKENS``). One decode step costs one batched forward of the rows still running;
-finished rows are dropped once keeping them would cost more than copying the cache. Per-token
+finished rows are dropped in place (only the rows moved into their slots are copied). Per-token
 Python work is O(batch) small tensor ops; stop strings are checked by decoding a short tail only for
 rows whose new token could complete one (a per-vocabulary lookup table built once per tokenizer and
 stop set).
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentopsd.rollout.base import Generation, SamplingConfig
-from agentopsd.scoring import MIN_SHARED_PREFIX, cache_kwarg, shared_prefixes
+from agentopsd.scoring import MIN_SHARED_PREFIX, cache_kwarg, pack_by_length, shared_prefixes
 
 _REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
 
@@ -90,7 +90,8 @@ class HFGenerator:
         position_ids = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
         cache_kw, keep_kw = _forward_kwarg_names(model)
         cache = _new_cache(model, capacity=width + max_new)
-        can_shrink = hasattr(cache, "batch_select_indices")
+        in_place = _preallocated_layers(cache)
+        can_shrink = in_place or hasattr(cache, "batch_select_indices")
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -102,7 +103,7 @@ class HFGenerator:
             out = model(input_ids=ids, attention_mask=attn, position_ids=pos, **kwargs)
             return out.logits[:, -1, :].float()
 
-        plan = _prefill_plan(prompts, PREFILL_CHUNK_TOKENS) if _preallocated_layers(cache) else None
+        plan = _prefill_plan(prompts, PREFILL_CHUNK_TOKENS) if in_place else None
         if plan is not None and not plan.is_one_padded_batch(batch):
             logits = _prefill_in_chunks(model, forward, plan, cache, width, self._pad_id(), device)
         else:  # nothing to save (e.g. one prompt): prefill straight into the cache, no copies
@@ -131,9 +132,14 @@ class HFGenerator:
             keep = alive.clone()
             if local_done:
                 keep[0] = True  # synced_gpus: one dummy row keeps this rank's forwards going
-            if can_shrink and _worth_shrinking(int((~keep).sum()), keep.numel(), max_new - step - 1):
-                idx = keep.nonzero().flatten()
-                cache.batch_select_indices(idx.to(device))
+            if can_shrink and _worth_shrinking(int((~keep).sum()), keep.numel(), max_new - step - 1, in_place):
+                if in_place:
+                    idx, holes, movers = _compaction(keep)
+                    for layer in cache.layers:
+                        layer.keep_first(len(idx), holes.to(device), movers.to(device))
+                else:
+                    idx = keep.nonzero().flatten()
+                    cache.batch_select_indices(idx.to(device))
                 rows, alive, token = rows[idx], alive[idx], token[idx.to(device)]
                 mask, next_pos = mask[idx.to(device)], next_pos[idx.to(device)]
             mask[:, width + step] = 1
@@ -233,14 +239,34 @@ class HFGenerator:
         return any(s in tail for s in table.stops)
 
 
-def _worth_shrinking(finished_rows: int, rows: int, steps_left: int) -> bool:
+def _worth_shrinking(finished_rows: int, rows: int, steps_left: int, in_place: bool = False) -> bool:
     """Drop finished rows from the cache now, or keep stepping them (their outputs are ignored)?
 
-    Dropping rows copies the whole KV cache, about what one decode step's attention reads (decode
-    at a large batch is bound by reading the cache); a finished row kept wastes 1/rows of a step per
-    step. Shrinking after every finished row cost ~9% of a 64-row, 64-token rollout on CPU.
+    A finished row kept wastes 1/rows of a decode step per step. Dropping rows from transformers'
+    own cache copies the whole cache, about what one decode step's attention reads (decode at a
+    large batch is bound by reading the cache): worth it once the waste adds up to a step
+    (shrinking after every finished row cost ~9% of a 64-row, 64-token rollout on CPU). Our
+    preallocated cache drops rows in place (:func:`_compaction`), copying at most the finished
+    rows' worth of cache: worth it whenever another step follows.
     """
-    return finished_rows > 0 and finished_rows * steps_left >= rows
+    if finished_rows <= 0 or steps_left <= 0:
+        return False
+    return in_place or finished_rows * steps_left >= rows
+
+
+def _compaction(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Drop rows in place: ``(order, holes, movers)`` for the kept rows ``keep`` [B] bool.
+
+    The n kept rows end up as rows 0..n-1: a kept row already there stays, and each hole there (a
+    dropped row) is filled by a kept row from past n, so only those rows' caches move. ``order[j]``
+    is the old row now at j; ``holes`` and ``movers`` are the positions written and read (disjoint).
+    """
+    n = int(keep.sum())
+    order = torch.arange(n)
+    holes = (~keep[:n]).nonzero().flatten()
+    movers = keep[n:].nonzero().flatten() + n
+    order[holes] = movers
+    return order, holes, movers
 
 
 def _choose(
@@ -298,22 +324,6 @@ class _PrefillPlan:
         return len(self.prefixes[self.group[u]]) if self.group[u] >= 0 else 0
 
 
-def _chunks(items: list[int], parts: Sequence[tuple[int, int]], budget: int) -> list[list[int]]:
-    """Split ``items`` (sorted by their second part) so a chunk padded to (max first + max second) stays in budget."""
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    head = tail = 0
-    for i in items:
-        h, t = max(head, parts[i][0]), max(tail, parts[i][1])
-        if current and (len(current) + 1) * (h + t) > budget:
-            chunks.append(current)
-            current, h, t = [], parts[i][0], parts[i][1]
-        current.append(i)
-        head, tail = h, t
-    chunks.append(current)
-    return chunks
-
-
 def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int, min_shared: int = MIN_SHARED_PREFIX) -> _PrefillPlan:
     index: dict[tuple[int, ...], int] = {}
     rows: list[list[int]] = []
@@ -331,10 +341,10 @@ def _prefill_plan(prompts: Sequence[Sequence[int]], budget: int, min_shared: int
                 group[u] = len(prefixes)
             prefixes.append(distinct[members[0]][:shared])
     prefix_parts = [(0, len(p)) for p in prefixes]
-    prefix_chunks = _chunks(sorted(range(len(prefixes)), key=lambda g: len(prefixes[g])), prefix_parts, budget)
+    prefix_chunks = pack_by_length(sorted(range(len(prefixes)), key=lambda g: len(prefixes[g])), prefix_parts, budget)
     plan = _PrefillPlan(distinct, rows, group, prefixes, prefix_chunks if prefixes else [], [])
     parts = [(plan.shared(u), len(distinct[u]) - plan.shared(u)) for u in range(len(distinct))]
-    plan.chunks = _chunks(sorted(range(len(distinct)), key=lambda u: parts[u][1]), parts, budget)
+    plan.chunks = pack_by_length(sorted(range(len(distinct)), key=lambda u: parts[u][1]), parts, budget)
     return plan
 
 
@@ -524,6 +534,18 @@ def _preallocated_layer_class() -> type | None:
             self.value_buf[rows, :, start : start + n] = values
             self.length = max(self.length, start + n)
             self._refresh_views()
+
+        def keep_first(self, n: int, holes: torch.Tensor, movers: torch.Tensor) -> None:
+            """Rows ``movers`` (past n) fill rows ``holes`` (below n); then only the first n rows remain.
+
+            The buffers become views of their first n rows: nothing else is copied.
+            """
+            if self.is_initialized:
+                if len(holes):
+                    self.key_buf[holes, :, : self.length] = self.key_buf[movers, :, : self.length]
+                    self.value_buf[holes, :, : self.length] = self.value_buf[movers, :, : self.length]
+                self.key_buf, self.value_buf = self.key_buf[:n], self.value_buf[:n]
+                self._refresh_views()
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             if self.is_initialized:

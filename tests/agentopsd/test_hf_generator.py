@@ -31,9 +31,10 @@ def tok():
     return make_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def model(tok):
-    return build_tiny_policy(tok, TINY, seed=0).eval()
+@pytest.fixture(scope="module", params=[4, 1], ids=["mha", "gqa"])
+def model(tok, request):
+    # 1 key/value head for 4 query heads: grouped-query attention, as in Qwen2.5 and the tiny default
+    return build_tiny_policy(tok, {**TINY, "num_key_value_heads": request.param}, seed=0).eval()
 
 
 def random_prompts(tok, lengths=LENGTHS, seed=0) -> list[list[int]]:
@@ -130,7 +131,10 @@ def test_shared_prefixes_are_prefilled_once_and_change_nothing(model, tok, monke
     _assert_exact_and_same_as_one_prefill(model, tok, prompts, sampling, monkeypatch)
 
 
-def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch):
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "batch_select_indices"])
+def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch, in_place):
+    if not in_place:  # transformers' own row selection (a cache without our preallocated layers)
+        monkeypatch.setattr(hf_module, "_preallocated_layers", lambda cache: False)
     prompts = random_prompts(tok, seed=17)
     free = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=12, greedy=True, stop_strings=()))
     stop = tok.decode(list(free[2].token_ids[2:4]))  # row 2 finishes early; the others run on
@@ -148,6 +152,19 @@ def test_finished_rows_kept_or_dropped_change_nothing(model, tok, monkeypatch):
 def test_finished_rows_are_dropped_once_keeping_them_costs_more_than_a_cache_copy():
     assert hf_module._worth_shrinking(0, 64, 100) is False
     assert hf_module._worth_shrinking(1, 64, 10) is False and hf_module._worth_shrinking(8, 64, 10) is True
+    # in place, dropping copies at most the dropped rows' worth: worth it whenever a step follows
+    assert hf_module._worth_shrinking(1, 64, 1, in_place=True) is True
+    assert hf_module._worth_shrinking(0, 64, 9, in_place=True) is False and hf_module._worth_shrinking(1, 64, 0, True) is False
+
+
+def test_compaction_moves_only_rows_from_past_the_kept_count_into_holes():
+    keep = torch.tensor([True, False, True, False, True, True, False, True])
+    order, holes, movers = hf_module._compaction(keep)
+    assert order.tolist() == [0, 5, 2, 7, 4]  # kept rows 0, 2, 4 stay; 5 and 7 fill the holes 1 and 3
+    assert holes.tolist() == [1, 3] and movers.tolist() == [5, 7]
+    assert sorted(order.tolist()) == keep.nonzero().flatten().tolist()
+    order, holes, movers = hf_module._compaction(torch.tensor([True, True, False]))
+    assert order.tolist() == [0, 1] and holes.numel() == 0 and movers.numel() == 0
 
 
 def test_stop_strings_cut_each_sequence(model, tok):
@@ -245,7 +262,8 @@ def test_protocol_sync_weights_and_edge_cases(model, tok):
 def test_lora_wrapped_model_generates(model, tok):
     peft = pytest.importorskip("peft")
     wrapped = peft.get_peft_model(
-        build_tiny_policy(tok, TINY, seed=0), peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+        build_tiny_policy(tok, {**TINY, "num_key_value_heads": model.config.num_key_value_heads}, seed=0),
+        peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
     )
     sampling = SamplingConfig(max_new_tokens=5, greedy=True, stop_strings=())
     prompts = random_prompts(tok)

@@ -21,6 +21,54 @@ def test_prefix_groups_share_only_where_it_saves_tokens():
     assert shared_prefixes([a, a], 16) == [([0, 1], 30)]
 
 
+def test_identical_prompts_do_not_keep_the_rest_of_their_task_from_sharing():
+    base = tuple(range(3, 48))  # 45 tokens: system prompt, task, skills
+    same = [base + (50, 51, 52, 53, 54)] * 5  # the same no-history turn, five times
+    other = [base + (60 + i, 61, 62, 63, 64) for i in range(5)]
+    groups = shared_prefixes(same + other, min_shared=16)
+    assert [(sorted(m), s) for m, s in groups] == [(list(range(10)), 45)]  # 9 * 45 > 4 * 49 + 4 * 45
+
+
+def _saved(rows, groups) -> int:
+    return sum((len(m) - 1) * s for m, s in groups)
+
+
+def _best_over_all_partitions(rows, min_shared) -> int:
+    def common(members):
+        limit = min(len(rows[r]) for r in members) - 1
+        n = 0
+        while n < limit and len({rows[r][n] for r in members}) == 1:
+            n += 1
+        return n if n >= min_shared else 0
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        head, rest = items[0], items[1:]
+        for part in partitions(rest):
+            yield [[head], *part]
+            for i in range(len(part)):
+                yield part[:i] + [[head, *part[i]]] + part[i + 1 :]
+
+    return max(sum((len(g) - 1) * common(g) for g in p if len(g) > 1) for p in partitions(list(range(len(rows)))))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_prefix_groups_save_as_much_as_the_best_of_all_partitions(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(6):  # few symbols and short rows: many partial overlaps
+        n = int(torch.randint(1, 9, (1,), generator=g))
+        rows.append(tuple(torch.randint(0, 2, (n,), generator=g).tolist()))
+    for min_shared in (1, 3):
+        groups = shared_prefixes(rows, min_shared)
+        assert sorted(r for m, _ in groups for r in m) == list(range(len(rows)))
+        for m, s in groups:  # what a group claims to share, it shares
+            assert all(rows[r][:s] == rows[m[0]][:s] and len(rows[r]) > s for r in m)
+        assert _saved(rows, groups) == _best_over_all_partitions(rows, min_shared)
+
+
 @pytest.fixture(scope="module")
 def decoder():
     torch.manual_seed(0)
@@ -61,9 +109,11 @@ def test_hidden_states_equal_the_plain_forward(decoder):
     with torch.no_grad():
         plain = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
         shared = hidden_at(decoder, ids, attn, source)
+        chunked = hidden_at(decoder, ids, attn, source, budget=60)  # rows' own parts in several forwards
         assert torch.equal(hidden_at(decoder, ids, attn, source, min_shared=10_000), plain)  # nothing shared: plain path
     assert shared.shape == plain.shape
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-5)
 
 
 def test_the_shared_part_stops_before_the_first_scored_position(decoder):
