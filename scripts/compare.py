@@ -152,10 +152,11 @@ def write_results(rows: list[dict], out: Path) -> None:
                 ys.append(100 * statistics.mean(vals))
                 errs.append(100 * spread)
         slope = _slope(xs, ys)
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | {slope:+.2f} |")
+        slope_text = f"{slope:+.2f}" if slope == slope else "n/a"  # NaN: fewer than two levels
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {slope_text} |")
         # spread over seeds as error bars; methods nudged apart on x so their bars stay readable
         nudge = 0.06 * (m_index - (len(methods) - 1) / 2)
-        ax.errorbar([x + nudge for x in xs], ys, yerr=errs, fmt="o-", capsize=3, label=f"{method} ({slope:+.2f}/turn)")
+        ax.errorbar([x + nudge for x in xs], ys, yerr=errs, fmt="o-", capsize=3, label=f"{method} ({slope_text}/turn)")
     ax.set(xlabel="horizon (the expert's mean path length on the eval list, turns)", ylabel="eval success after RL (%)", title="Success against horizon (mean and spread over seeds)")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -54,7 +54,7 @@ def test_rows_tables_and_plot_come_from_the_run_logs(compare, tmp_path: Path, mo
 
     compare.write_results(rows, tmp_path)
     table = (tmp_path / "table.md").read_text()
-    assert "| grpo | 90.0 ± 0.0 (n=1) |" in table
+    assert "| grpo | 90.0 ± 0.0 (n=1) |  | n/a |" in table  # one level: no slope to fit
     # agentopsd: 100 at horizon 3.8, 50 at 5.9 -> -50 / 2.1 points per extra turn
     assert f"| agentopsd | 100.0 ± 0.0 (n=1) | 50.0 ± 0.0 (n=1) | {-50 / 2.1:+.2f} |" in table
     assert "| agentopsd | 60.0 ± 0.0 | 10.0 ± 0.0 |" in table
