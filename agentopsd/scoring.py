@@ -148,16 +148,15 @@ def hidden_at(
         tail = max(parts[r][1] for r in chunk)
         if tail == 0:
             continue  # empty rows: nothing to run, nothing scored
-        t_ids = torch.zeros(len(chunk), tail, dtype=ids.dtype, device=device)
-        t_mask = torch.zeros(len(chunk), tail, dtype=attn.dtype, device=device)
-        t_source = torch.zeros(len(chunk), tail, dtype=torch.bool, device=device)
-        for j, r in enumerate(chunk):
-            s, n = shared[r], parts[r][1]
-            t_ids[j, :n] = ids[r, s : s + n]
-            t_mask[j, :n] = 1
-            t_source[j, :n] = source[r, s : s + n]
+        # one gather per chunk: row r's own tokens start at shared[r]; slots past its end are padding
+        c_rows = torch.tensor(chunk, device=device)
         c_shared = torch.tensor([shared[r] for r in chunk], device=device)
         positions = c_shared[:, None] + torch.arange(tail, device=device)[None, :]
+        t_valid = positions < torch.tensor([int(lengths[r]) for r in chunk], device=device)[:, None]
+        at = positions.clamp(max=ids.shape[1] - 1)
+        t_ids = torch.where(t_valid, ids[c_rows[:, None], at], 0)
+        t_mask = t_valid.to(attn.dtype)
+        t_source = source[c_rows[:, None], at] & t_valid
         kwargs = {}
         if c_head:  # the chunk's rows' prefixes (rows sharing nothing get masked-out slots)
             pick = torch.tensor([group_of[r] for r in chunk], device=device)

@@ -135,13 +135,16 @@ class HFGenerator:
             if can_shrink and _worth_shrinking(int((~keep).sum()), keep.numel(), max_new - step - 1, in_place):
                 if in_place:
                     idx, holes, movers = _compaction(keep)
+                    holes, movers = holes.to(device), movers.to(device)  # once, not once per layer
                     for layer in cache.layers:
-                        layer.keep_first(len(idx), holes.to(device), movers.to(device))
+                        layer.keep_first(len(idx), holes, movers)
+                    idx_dev = idx.to(device)
                 else:
                     idx = keep.nonzero().flatten()
-                    cache.batch_select_indices(idx.to(device))
-                rows, alive, token = rows[idx], alive[idx], token[idx.to(device)]
-                mask, next_pos = mask[idx.to(device)], next_pos[idx.to(device)]
+                    idx_dev = idx.to(device)
+                    cache.batch_select_indices(idx_dev)
+                rows, alive, token = rows[idx], alive[idx], token[idx_dev]
+                mask, next_pos = mask[idx_dev], next_pos[idx_dev]
             mask[:, width + step] = 1
             logits = forward(token[:, None], mask[:, : width + step + 1], next_pos[:, None])
             next_pos = next_pos + 1
