@@ -289,11 +289,28 @@ def _choose(
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             # Drop a token when the mass before it already reaches top_p (the first always stays).
             sorted_probs[(sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p] = 0.0
-            pick = torch.multinomial(sorted_probs, 1, generator=generator)
-            token = order.gather(-1, pick).squeeze(-1)
+            token = order.gather(-1, _draw(sorted_probs, generator)[:, None]).squeeze(-1)
         else:
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            token = _draw(probs, generator)
     return token, logp_all.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of ``weights`` [B, V] (>= 0, not normalized), drawn with probability
+    proportional to its weight: one uniform per row through the row's cumulative sum.
+
+    ``torch.multinomial`` draws an exponential variate per vocabulary entry instead: on CPU at 64
+    rows x 512 ids that was 1.1 ms, a tenth of a decode step, against 0.1 ms here.
+    """
+    cdf = weights.double().cumsum(-1)  # float64: the last bins keep their width at any vocab size
+    u = torch.rand(weights.shape[0], 1, dtype=cdf.dtype, device=cdf.device, generator=generator)
+    # The first bin whose upper edge is above u: a zero-weight bin has no width, so it is never drawn.
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=weights.shape[-1] - 1)
+    drawn_zero = weights.gather(-1, index) <= 0  # u * total rounded up to the total itself: rare
+    if bool(drawn_zero.any()):
+        last = weights.shape[-1] - 1 - (weights.flip(-1) > 0).int().argmax(-1, keepdim=True)
+        index = torch.where(drawn_zero, last, index)  # the row's last positive bin
+    return index.squeeze(-1)
 
 
 # Prefill is compute-bound: its cost follows the number of padded tokens it runs, not the batch size

@@ -220,6 +220,26 @@ def test_identical_prompts_get_different_samples(model, tok):
     assert len({g.token_ids for g in gens}) > 1  # a group of G copies must not share one sample
 
 
+def test_draw_follows_the_weights_and_never_draws_a_zero_weight():
+    weights = torch.tensor([0.0, 1.0, 0.0, 6.0, 3.0, 0.0])  # unnormalized: total 10
+    rows = 40_000
+    drawn = hf_module._draw(weights.expand(rows, -1), torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=len(weights)).float()
+    assert counts[weights == 0].sum() == 0
+    expected = weights / weights.sum() * rows
+    # binomial sd at p=0.6 is ~98 of 40k: 5 sd of slack, far below the gaps between bins
+    assert torch.allclose(counts, expected, atol=500)
+    again = hf_module._draw(weights.expand(rows, -1), torch.Generator().manual_seed(0))
+    assert torch.equal(drawn, again)  # seeded: the same draws
+
+
+def test_draw_takes_the_last_positive_bin_when_the_uniform_rounds_up_to_the_total(monkeypatch):
+    # u * total == total would land past the last bin, on a zero-weight id if the row ends in zeros
+    monkeypatch.setattr(hf_module.torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=kw.get("dtype")))
+    weights = torch.tensor([[0.2, 0.5, 0.3, 0.0, 0.0], [0.1, 0.0, 0.0, 0.0, 0.9]])
+    assert hf_module._draw(weights, None).tolist() == [2, 4]
+
+
 def test_tiny_top_p_samples_the_argmax_but_reports_full_logprobs(model, tok):
     prompts = random_prompts(tok, seed=19)
     generator = HFGenerator(model, tok)
