@@ -28,7 +28,7 @@ from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logpr
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.scoring import hidden_at
+from agentopsd.scoring import SCORING_HEAD_POSITIONS, SCORING_ROWS_TOKENS, hidden_at, token_slices
 from agentopsd.skills import SkillBank
 from agentopsd.types import RolloutBatch, TaskSpec
 
@@ -215,28 +215,52 @@ class AgentRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ scoring
 
+    @staticmethod
+    def _trimmed(ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The rows cut to their longest real length, and ``source``: the positions whose hidden
+        state predicts an action token (position j-1 predicts token j)."""
+        width = int(attn.sum(1).max())
+        ids, attn, amask = ids[:, :width], attn[:, :width], amask[:, :width]
+        source = torch.zeros_like(amask)
+        source[:, :-1] = amask[:, 1:]
+        return ids, attn, amask, source
+
     def _action_logits(self, ids: Tensor, attn: Tensor, amask: Tensor, model: nn.Module | None = None) -> tuple[Tensor, Tensor]:
         """Logits predicting each action token, flattened row-major ``[n, V]``, and those tokens ``[n]``.
 
         Only the positions before action tokens go through the LM head: prompts are long and
         actions short, and a 151k-vocabulary head over every prompt position is what eats memory.
         """
-        width = int(attn.sum(1).max())
-        ids, attn, amask = ids[:, :width], attn[:, :width], amask[:, :width]
-        source = torch.zeros_like(amask)
-        source[:, :-1] = amask[:, 1:]  # the hidden state at j-1 predicts token j
+        ids, attn, amask, source = self._trimmed(ids, attn, amask)
         model = self.model if model is None else model
         decoder, head = getattr(model, "get_decoder", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)()
         # a sharded root gathers its own parameters (embeddings, head) only when called itself
         if decoder is not None and head is not None and not self._sharded:
-            if torch.is_grad_enabled():
-                hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
-            else:  # scoring only (teacher view, old or reference logprobs): shared prompt prefixes run once
-                hidden = hidden_at(decoder, ids, attn, source)
-            logits = head(hidden)
+            logits = head(decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source])
         else:
             logits = model(input_ids=ids, attention_mask=attn).logits[source]
         return logits, ids[amask]
+
+    def _scores_by_prefix(self, model: nn.Module | None) -> bool:
+        """Can no-grad scoring run through :func:`hidden_at` (a plain decoder and LM head, unsharded)?"""
+        model = self.model if model is None else model
+        if self._sharded:
+            return False  # a sharded root gathers its own parameters (embeddings, head) only when called itself
+        get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
+        return callable(get_decoder) and callable(get_head) and get_decoder() is not None and get_head() is not None
+
+    def _scored_logprobs(self, ids: Tensor, attn: Tensor, amask: Tensor, temperature: float, model: nn.Module | None) -> Tensor:
+        """No-grad log-probs of the action tokens, row-major ``[n]``: shared prefixes run once, and the
+        LM head runs over at most ``SCORING_HEAD_POSITIONS`` positions at a time (a 151k-vocabulary
+        head over thousands of action tokens at once would need gigabytes)."""
+        ids, attn, amask, source = self._trimmed(ids, attn, amask)
+        model = self.model if model is None else model
+        hidden = hidden_at(model.get_decoder(), ids, attn, source)
+        head, targets = model.get_output_embeddings(), ids[amask]
+        return torch.cat([
+            token_logprobs(head(hidden[k : k + SCORING_HEAD_POSITIONS]) / temperature, targets[k : k + SCORING_HEAD_POSITIONS])
+            for k in range(0, max(len(targets), 1), SCORING_HEAD_POSITIONS)
+        ])
 
     def action_logprobs(
         self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False, model: nn.Module | None = None
@@ -256,12 +280,22 @@ class AgentRLModule(L.LightningModule):
             ids, attn, amask = batch.input_ids[rows], batch.attention_mask[rows], student_mask
         else:
             ids, attn, amask = batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows]
-        step = self.optim_cfg.micro_batch_size
         pieces = []
+        with_grad = grad and view == "student"
+        if not with_grad and self._scores_by_prefix(model):
+            # Scoring only: rows per forward are set by tokens, not by optim.micro_batch_size (a
+            # memory knob of the gradient path, 4 rows in the 3B/7B setups): the more rows one call
+            # holds, the more of them share a prompt prefix that runs once.
+            with torch.no_grad():
+                for sl in token_slices(attn.sum(1).tolist(), SCORING_ROWS_TOKENS):
+                    pieces.append(self._scored_logprobs(ids[sl], attn[sl], amask[sl], temperature, model))
+            out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
+            return out
+        step = self.optim_cfg.micro_batch_size
         starts = list(range(0, ids.shape[0], step))
         # under sharding every forward is a collective: ranks with fewer rows run dummy forwards
         padding = all_max(len(starts)) - len(starts) if self._sharded else 0
-        with torch.set_grad_enabled(grad and view == "student"):
+        with torch.set_grad_enabled(with_grad):
             for start in starts:
                 sl = slice(start, start + step)
                 logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl], model)

@@ -110,6 +110,27 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.x
 
 
+def token_slices(lengths: Sequence[int], budget: int) -> list[slice]:
+    """Consecutive row slices of at most ``budget`` tokens each (a longer row gets its own slice)."""
+    slices: list[slice] = []
+    start = total = 0
+    for r, n in enumerate(lengths):
+        if r > start and total + n > budget:
+            slices.append(slice(start, r))
+            start, total = r, 0
+        total += n
+    if start < len(lengths):
+        slices.append(slice(start, len(lengths)))
+    return slices
+
+
+SCORING_ROWS_TOKENS = 65536
+"""Real tokens of the rows one no-grad scoring call takes (its prefixes run in one forward; its
+rows' own parts in chunks of ``SCORING_CHUNK_TOKENS``)."""
+
+SCORING_HEAD_POSITIONS = 2048
+"""Positions the LM head scores at once: 2,048 x a 151k vocabulary is 1.2 GB of float32 logits."""
+
 SCORING_CHUNK_TOKENS = 16384
 """Padded tokens (shared part plus own part, per row) of one forward over rows' own parts."""
 

@@ -9,7 +9,7 @@ Prefill runs each distinct prompt once and a prefix shared by a group of prompts
 finished rows are dropped in place (only the rows moved into their slots are copied). Per-token
 Python work is O(batch) small tensor ops; stop strings are checked by decoding a short tail only for
 rows whose new token could complete one (a per-vocabulary lookup table built once per tokenizer and
-stop set).
+stop set). Tokens are drawn with one uniform per row through the row's cumulative distribution.
 """
 
 from __future__ import annotations
@@ -320,7 +320,8 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
 # rows share (the G copies keep the system prompt, the task and early observations in common). So
 # each distinct prompt is run once; a prefix shared by a group of prompts is run once and its
 # keys/values are reused by the group; rows run in length-sorted chunks of at most this many padded
-# tokens (which also bounds activation memory), and the results are copied into the shared,
+# tokens (which also bounds activation memory), split where padding plus per-forward cost is least
+# (see agentopsd.scoring.pack_by_length), and the results are copied into the shared,
 # left-padded cache: decoding then sees exactly the layout a single prefill would have made.
 PREFILL_CHUNK_TOKENS = 8192
 

@@ -85,6 +85,37 @@ def test_teacher_view_without_skills_equals_student(tiny_walk_policy):
     assert not torch.allclose(batch.teacher_logprobs[batch.action_mask], student[batch.action_mask], atol=1e-4)
 
 
+def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_policy, monkeypatch):
+    """No-grad scoring is one call over all rows (not one per micro-batch of 4), shares their
+    prefixes, and gives the plain per-micro-batch forward's log-probs however it is split."""
+    import agentopsd.module as module_mod
+    from agentopsd.losses import token_logprobs
+
+    module = make_module(tiny_walk_policy)  # micro_batch_size 4
+    module.trainer = None
+    batch = module.rollout(_task_batch(0))
+    assert batch.num_rows > 4
+    calls = []
+    real_hidden_at = module_mod.hidden_at
+    monkeypatch.setattr(module_mod, "hidden_at", lambda decoder, ids, *a, **k: calls.append(len(ids)) or real_hidden_at(decoder, ids, *a, **k))
+    scored = module.action_logprobs(batch, "teacher")
+    assert calls == [batch.num_rows]
+    with torch.no_grad():  # the gradient path's forward: whole rows, one micro-batch at a time
+        plain = torch.cat([
+            token_logprobs(*module._action_logits(batch.teacher_input_ids[s:s + 4], batch.teacher_attention_mask[s:s + 4],
+                                                  batch.teacher_action_mask[s:s + 4]))
+            for s in range(0, batch.num_rows, 4)
+        ])
+    assert torch.allclose(scored[batch.action_mask], plain, atol=1e-5)
+    # one row per call and three LM-head positions at a time: the same numbers
+    monkeypatch.setattr(module_mod, "SCORING_ROWS_TOKENS", 1)
+    monkeypatch.setattr(module_mod, "SCORING_HEAD_POSITIONS", 3)
+    calls.clear()
+    split = module.action_logprobs(batch, "teacher")
+    assert calls == [1] * batch.num_rows
+    assert torch.allclose(split, scored, atol=1e-5)
+
+
 def test_grpo_needs_no_teacher_forward(tiny_walk_policy):
     module = make_module(tiny_walk_policy, algorithm=Algorithm())
     module.trainer = None
