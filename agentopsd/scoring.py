@@ -144,7 +144,8 @@ def hidden_at(
     prefix shared by two or more rows computed once. Run it without gradient.
 
     The rows' own parts run in chunks of similar length (see :func:`pack_by_length`): a row that
-    shares little would otherwise pad every other row's short remainder to its full length.
+    shares little would otherwise pad every other row's short remainder to its full length, and
+    no forward runs more than ``budget`` padded tokens, whatever the number of rows.
     """
     batch = ids.shape[0]
     lengths = attn.sum(1).tolist()
@@ -161,19 +162,18 @@ def hidden_at(
             for r in members:
                 shared[r], group_of[r] = s, len(prefixes)
             prefixes.append(heads[members[0]][:s])
-    if not prefixes:
-        return decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
     device = ids.device
     cache_kw = cache_kwarg(decoder)
-    # 1. every shared prefix once, right-padded: slot j of a prefix holds its token j
-    head = max(len(p) for p in prefixes)
-    p_ids = torch.zeros(len(prefixes), head, dtype=ids.dtype, device=device)
-    p_mask = torch.zeros(len(prefixes), head, dtype=attn.dtype, device=device)
-    for g, p in enumerate(prefixes):
-        p_ids[g, : len(p)] = torch.tensor(p, dtype=ids.dtype, device=device)
-        p_mask[g, : len(p)] = 1
-    out = decoder(input_ids=p_ids, attention_mask=p_mask, use_cache=True)
-    prefix_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+    prefix_cache = None
+    if prefixes:  # 1. every shared prefix once, right-padded: slot j of a prefix holds its token j
+        head = max(len(p) for p in prefixes)
+        p_ids = torch.zeros(len(prefixes), head, dtype=ids.dtype, device=device)
+        p_mask = torch.zeros(len(prefixes), head, dtype=attn.dtype, device=device)
+        for g, p in enumerate(prefixes):
+            p_ids[g, : len(p)] = torch.tensor(p, dtype=ids.dtype, device=device)
+            p_mask[g, : len(p)] = 1
+        out = decoder(input_ids=p_ids, attention_mask=p_mask, use_cache=True)
+        prefix_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
     # 2. each row's own part on top of its prefix, positions continuing after it, in chunks
     from transformers import DynamicCache
 
@@ -198,7 +198,7 @@ def hidden_at(
         t_mask = t_valid.to(attn.dtype)
         t_source = source[c_rows[:, None], at] & t_valid
         kwargs = {}
-        if c_head:  # the chunk's rows' prefixes (rows sharing nothing get masked-out slots)
+        if c_head and prefix_cache is not None:  # the chunk's rows' prefixes (rows sharing nothing get masked-out slots)
             pick = torch.tensor([group_of[r] for r in chunk], device=device)
             rows_cache = DynamicCache()
             for layer_idx, layer in enumerate(prefix_cache.layers):

@@ -113,8 +113,11 @@ def test_hidden_states_equal_the_plain_forward(decoder):
         plain = decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source]
         shared = hidden_at(decoder, ids, attn, source)
         chunked = hidden_at(decoder, ids, attn, source, budget=60)  # rows' own parts in several forwards
-        assert torch.equal(hidden_at(decoder, ids, attn, source, min_shared=10_000), plain)  # nothing shared: plain path
+        alone = hidden_at(decoder, ids, attn, source, min_shared=10_000)  # nothing shared: chunks only
+        alone_chunked = hidden_at(decoder, ids, attn, source, min_shared=10_000, budget=60)
     assert shared.shape == plain.shape
+    torch.testing.assert_close(alone, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone_chunked, plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-5)
 
