@@ -84,39 +84,41 @@ def test_decisive_turn_gets_the_credit(tmp_path):
     module = AgentRLModule(model, tok, AgentOPSD(), EnvConfig(**env_kw), RolloutConfig(max_new_tokens=8),
                            OptimConfig(lr=1e-3, micro_batch_size=64), EvalConfig(num_tasks=2), num_iterations=1)
     module.trainer = None
-    batch = module.rollout(TaskBatch(0, sample_tasks(KEY_ID, 50, 8, 8, 0, seed=0)))
-    credit = module.algorithm.assign(batch)
-
-    gap = ((batch.teacher_logprobs - batch.student_logprobs) * batch.action_mask).sum(1)  # e_k per turn row
-    expert_rows, other_rows, key_turn = [], [], {}
-    row = 0
-    for i, traj in enumerate(batch.trajectories):
-        state = KeyDoorEnv()
-        state.reset()
-        for turn in traj.turns:
-            expert = state.expert_action()
-            (expert_rows if turn.parsed_action == expert else other_rows).append(row)
-            if turn.parsed_action == "pick up key" and not state.key and i not in key_turn:
-                key_turn[i] = turn.index
-            if turn.parsed_action:
-                state.step(turn.parsed_action)
-            row += 1
-    assert len(expert_rows) > 20 and len(other_rows) > 5
+    expert_gaps, other_gaps, ranks = [], [], []
+    for iteration in range(2):  # two rollout batches: one alone sat within noise of the threshold (below)
+        batch = module.rollout(TaskBatch(iteration, sample_tasks(KEY_ID, 50, 8, 8, iteration, seed=0)))
+        credit = module.algorithm.assign(batch)
+        gap = ((batch.teacher_logprobs - batch.student_logprobs) * batch.action_mask).sum(1)  # e_k per turn row
+        row = 0
+        key_turn = {}
+        for i, traj in enumerate(batch.trajectories):
+            state = KeyDoorEnv()
+            state.reset()
+            for turn in traj.turns:
+                expert = state.expert_action()
+                (expert_gaps if turn.parsed_action == expert else other_gaps).append(float(gap[row]))
+                if turn.parsed_action == "pick up key" and not state.key and i not in key_turn:
+                    key_turn[i] = turn.index
+                if turn.parsed_action:
+                    state.step(turn.parsed_action)
+                row += 1
+        for i, k in key_turn.items():
+            traj = batch.trajectories[i]
+            if not traj.success or len(traj.turns) < 4:
+                continue
+            revisions = credit["revisions"][i, : len(traj.turns)].abs()
+            others = torch.cat([revisions[:k], revisions[k + 1 :]])
+            ranks.append(((others > revisions[k]).sum() + 0.5 * (others == revisions[k]).sum()).item() / len(others))
+    assert len(expert_gaps) > 40 and len(other_gaps) > 10
     # (1) the skill-aware teacher favours the expert's action over the others
-    assert gap[expert_rows].mean() > gap[other_rows].mean()
+    assert sum(expert_gaps) / len(expert_gaps) > sum(other_gaps) / len(other_gaps)
 
     # (2) the decisive turn's |revision| ranks above the episode's other turns more often than not.
     # Its normalized rank (0: the largest, 1: the smallest, ties counted half) averages 0.5 by
-    # chance. A top-2 count on one batch was too noisy to tell: 6/18 against 4.5 expected, then
-    # 12/43 against 12.2 once the generator drew rows in another order; this rank read 0.34-0.36.
-    ranks = []
-    for i, k in key_turn.items():
-        traj = batch.trajectories[i]
-        if not traj.success or len(traj.turns) < 4:
-            continue
-        revisions = credit["revisions"][i, : len(traj.turns)].abs()
-        others = torch.cat([revisions[:k], revisions[k + 1 :]])
-        ranks.append(((others > revisions[k]).sum() + 0.5 * (others == revisions[k]).sum()).item() / len(others))
-    assert len(ranks) >= 10, f"only {len(ranks)} won episodes with a pick-up turn"
+    # chance. A top-2 count on one batch was too noisy to tell (6/18 against 4.5 expected, then
+    # 12/43 against 12.2). This rank, per batch of 8 x 8 episodes: 0.435, 0.350, 0.344, 0.281,
+    # 0.383, 0.344 on batches 0-5 (0.359 over all 226 won episodes); the test pools batches 0-1.
+    assert len(ranks) >= 20, f"only {len(ranks)} won episodes with a pick-up turn"
     mean_rank = sum(ranks) / len(ranks)
+    print(f"decisive turn's mean normalized rank {mean_rank:.3f} over {len(ranks)} episodes")  # shown with -s
     assert mean_rank < 0.45, f"decisive turn's mean normalized rank {mean_rank:.3f} over {len(ranks)} episodes; chance 0.5"
