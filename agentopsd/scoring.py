@@ -212,5 +212,7 @@ def hidden_at(
             result = hidden.new_empty(sum(int(c) for c in counts), hidden.shape[-1])
         dst = [offsets[r] + k for r in chunk for k in range(int(counts[r]))]
         result[torch.tensor(dst, dtype=torch.long, device=device)] = hidden
-    assert result is not None
+    if result is None:  # every row empty: nothing ran, nothing is scored
+        weight = next(decoder.parameters())
+        return torch.zeros(0, decoder.config.hidden_size, dtype=weight.dtype, device=device)
     return result

@@ -122,6 +122,14 @@ def test_hidden_states_equal_the_plain_forward(decoder):
     torch.testing.assert_close(chunked, plain, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_with_no_tokens_give_no_hidden_states(decoder):
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    attn = torch.zeros(3, 5, dtype=torch.long)
+    with torch.no_grad():
+        out = hidden_at(decoder, ids, attn, torch.zeros(3, 5, dtype=torch.bool))
+    assert out.shape == (0, decoder.config.hidden_size)
+
+
 def test_the_shared_part_stops_before_the_first_scored_position(decoder):
     # identical prompts whose scored positions start early: the prefix must not swallow them
     prompt = list(range(3, 40))
