@@ -233,30 +233,30 @@ class AgentRLModule(L.LightningModule):
         """
         ids, attn, amask, source = self._trimmed(ids, attn, amask)
         model = self.model if model is None else model
-        decoder, head = getattr(model, "get_decoder", lambda: None)(), getattr(model, "get_output_embeddings", lambda: None)()
-        # a sharded root gathers its own parameters (embeddings, head) only when called itself
-        if decoder is not None and head is not None and not self._sharded:
+        decoder, head = self._decoder_and_head(model)
+        if decoder is not None:
             logits = head(decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source])
         else:
             logits = model(input_ids=ids, attention_mask=attn).logits[source]
         return logits, ids[amask]
 
-    def _scores_by_prefix(self, model: nn.Module | None) -> bool:
-        """Can no-grad scoring run through :func:`hidden_at` (a plain decoder and LM head, unsharded)?"""
-        model = self.model if model is None else model
+    def _decoder_and_head(self, model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+        """The decoder and LM head to call apart (the head then runs only where it is needed), or
+        ``(None, None)`` where the whole model must be called: a sharded root gathers its own
+        parameters (embeddings, head) only when called itself."""
         if self._sharded:
-            return False  # a sharded root gathers its own parameters (embeddings, head) only when called itself
-        get_decoder, get_head = getattr(model, "get_decoder", None), getattr(model, "get_output_embeddings", None)
-        return callable(get_decoder) and callable(get_head) and get_decoder() is not None and get_head() is not None
+            return None, None
+        decoder = getattr(model, "get_decoder", lambda: None)()
+        head = getattr(model, "get_output_embeddings", lambda: None)()
+        return (decoder, head) if decoder is not None and head is not None else (None, None)
 
-    def _scored_logprobs(self, ids: Tensor, attn: Tensor, amask: Tensor, temperature: float, model: nn.Module | None) -> Tensor:
+    def _scored_logprobs(self, ids: Tensor, attn: Tensor, amask: Tensor, temperature: float, decoder: nn.Module, head: nn.Module) -> Tensor:
         """No-grad log-probs of the action tokens, row-major ``[n]``: shared prefixes run once, and the
         LM head runs over at most ``SCORING_HEAD_POSITIONS`` positions at a time (a 151k-vocabulary
         head over thousands of action tokens at once would need gigabytes)."""
         ids, attn, amask, source = self._trimmed(ids, attn, amask)
-        model = self.model if model is None else model
-        hidden = hidden_at(model.get_decoder(), ids, attn, source)
-        head, targets = model.get_output_embeddings(), ids[amask]
+        hidden = hidden_at(decoder, ids, attn, source)
+        targets = ids[amask]
         return torch.cat([
             token_logprobs(head(hidden[k : k + SCORING_HEAD_POSITIONS]) / temperature, targets[k : k + SCORING_HEAD_POSITIONS])
             for k in range(0, max(len(targets), 1), SCORING_HEAD_POSITIONS)
@@ -282,13 +282,14 @@ class AgentRLModule(L.LightningModule):
             ids, attn, amask = batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows]
         pieces = []
         with_grad = grad and view == "student"
-        if not with_grad and self._scores_by_prefix(model):
+        decoder, head = self._decoder_and_head(self.model if model is None else model)
+        if not with_grad and decoder is not None:
             # Scoring only: rows per forward are set by tokens, not by optim.micro_batch_size (a
             # memory knob of the gradient path, 4 rows in the 3B/7B setups): the more rows one call
             # holds, the more of them share a prompt prefix that runs once.
             with torch.no_grad():
                 for sl in token_slices(attn.sum(1).tolist(), SCORING_ROWS_TOKENS):
-                    pieces.append(self._scored_logprobs(ids[sl], attn[sl], amask[sl], temperature, model))
+                    pieces.append(self._scored_logprobs(ids[sl], attn[sl], amask[sl], temperature, decoder, head))
             out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
             return out
         step = self.optim_cfg.micro_batch_size
