@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import lightning as L
 import numpy as np
@@ -16,12 +15,32 @@ from agentopsd.types import RolloutBatch, TaskSpec, Trajectory
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class TaskBatch:
-    """What the loader yields: N tasks x G copies for one iteration (rollouts happen later, on-policy)."""
+    """What the loader yields: N tasks x G copies for one iteration (rollouts happen later, on-policy).
 
-    iteration: int
-    tasks: tuple[TaskSpec, ...]
+    A plain immutable class, not a dataclass: Lightning's precision plugins run every batch through
+    ``apply_to_collection`` before any hook (``bf16-true`` converts float tensors that way), and
+    that function rebuilds dataclasses field by field, which fails on frozen ones. A batch with no
+    tensors has nothing to convert, so it must pass through untouched.
+    """
+
+    __slots__ = ("iteration", "tasks")
+
+    def __init__(self, iteration: int, tasks: tuple[TaskSpec, ...]) -> None:
+        object.__setattr__(self, "iteration", int(iteration))
+        object.__setattr__(self, "tasks", tuple(tasks))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TaskBatch is immutable: cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TaskBatch) and (self.iteration, self.tasks) == (other.iteration, other.tasks)
+
+    def __hash__(self) -> int:
+        return hash((self.iteration, self.tasks))
+
+    def __repr__(self) -> str:
+        return f"TaskBatch(iteration={self.iteration}, tasks=<{len(self.tasks)} TaskSpec>)"
 
     def to(self, device: object) -> TaskBatch:  # nothing to move: rollouts are made on the module's device
         return self

@@ -35,6 +35,36 @@ from agentopsd.types import RolloutBatch, TaskSpec
 log = logging.getLogger(__name__)
 
 
+def fsdp_mixed_precision(precision: str):
+    """FSDP2's policy for ``bf16-mixed``: float32 master weights and gradient reduction, bf16 compute.
+
+    Lightning's ``bf16-mixed`` only autocasts ``training_step``; FSDP2 would then all-gather float32
+    shards and the rollout (outside ``training_step``) would run in float32. With this policy every
+    forward, rollouts included, computes in bf16 from bf16 all-gathers, while the optimizer updates
+    float32 weights: with ``bf16-true`` weights, an update below ~1/256 of a weight (Adam at lr 1e-6)
+    rounds away and the model never moves.
+    """
+    if precision != "bf16-mixed":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def needs_float32_master(precision: str) -> bool:
+    """Precisions whose optimizer must see float32 weights (all but the ``*-true`` half ones)."""
+    return precision not in ("bf16-true", "16-true", "bf16", "16", "half")
+
+
+def upcast_half_params(model: nn.Module) -> bool:
+    """Make a model with bf16/fp16 parameters float32 (``Module.float``, which FSDP2 supports after
+    ``fully_shard`` and before the first forward: each rank converts its shard); True if it did."""
+    if not any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+        return False
+    model.float()
+    return True
+
+
 class AgentRLModule(L.LightningModule):
     """GRPO-family RL of a causal LM agent in a Gymnasium text environment."""
 
@@ -97,19 +127,34 @@ class AgentRLModule(L.LightningModule):
     # ------------------------------------------------------------------ sharding
 
     def configure_model(self) -> None:
-        """FSDP2 under ``ModelParallelStrategy`` (``trainer=fsdp``): shard each decoder layer, then the root."""
+        """Float32 master weights where the precision asks for them, then FSDP2 under
+        ``ModelParallelStrategy`` (``trainer=fsdp``): shard each decoder layer, then the root."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        if self._sharded or self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+        if self._trainer is None:
+            return
+        precision = str(self.trainer.precision)
+        # Weights may load in bf16 (half the host memory), but under a mixed or float32 precision the
+        # optimizer must update float32 weights. Sharded, each rank converts only its own shard.
+        upcast = needs_float32_master(precision)
+        if self._sharded or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            if upcast and upcast_half_params(self.model):
+                log.info("trainer.precision=%s: half-precision weights upcast to float32 master weights", precision)
             return
         from torch.distributed.fsdp import fully_shard
 
         mesh = self.device_mesh["data_parallel"]
+        kwargs = {"mesh": mesh}
+        policy = fsdp_mixed_precision(str(self.trainer.precision))
+        if policy is not None:
+            kwargs["mp_policy"] = policy
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+            fully_shard(layer, **kwargs)
+        fully_shard(self.model, **kwargs)
         self._sharded = True
+        if upcast and upcast_half_params(self.model):
+            log.info("trainer.precision=%s: half-precision weight shards upcast to float32 master weights", precision)
 
     # ------------------------------------------------------------------ rollout
 
