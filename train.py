@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import envs  # noqa: F401  (registers the agentopsd/* environments)
+from agentopsd.preemption import Preempted
 from agentopsd.validation import resolve_ckpt_path, validate_config
 
 log = logging.getLogger("agentopsd")
@@ -59,7 +60,17 @@ def main(cfg: DictConfig) -> dict[str, float]:
         logger=[instantiate(lg) for lg in cfg.logger],
         default_root_dir=str(output_dir),
     )
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, output_dir))
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, output_dir))
+    except Preempted as stop:
+        if trainer.is_global_zero:
+            print(
+                f"\nstopped by {stop.signal_name} after {module.iterations_done} completed iterations"
+                + ("" if stop.update_done else f" (iteration {stop.iteration} abandoned: it runs again on resume)")
+                + f"; checkpoint: {(output_dir / 'checkpoints' / 'last.ckpt').resolve()}\n"
+                f"resume: python train.py {' '.join([a for a in sys.argv[1:] if not a.startswith('ckpt_path=')] + ['ckpt_path=last'])}"
+            )
+        sys.exit(stop.exit_code)
 
     history = module.eval_history
     if cfg.report and trainer.is_global_zero:

@@ -102,6 +102,8 @@ class TaskDataModule(L.LightningDataModule):
             raise ValueError(f"data.group_size and data.tasks_per_batch must be >= 1, got {group_size} and {tasks_per_batch}")
         self.env_id, self.tasks_per_batch, self.group_size = env_id, tasks_per_batch, group_size
         self.num_iterations, self.seed, self.num_tasks = num_iterations, seed, num_tasks
+        self.stream: TaskStream | None = None
+        """The stream the trainer iterates (a stopped run rewinds it to replay an abandoned iteration)."""
 
     def setup(self, stage: str | None = None) -> None:
         if self.num_tasks is None:
@@ -113,7 +115,8 @@ class TaskDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> TaskStream:
         self.setup()
-        return TaskStream(self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, self.num_iterations, self.seed)
+        self.stream = TaskStream(self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, self.num_iterations, self.seed)
+        return self.stream
 
 
 def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:

@@ -25,6 +25,7 @@ from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import all_max, is_distributed, rank_and_world, shard_groups
 from agentopsd.evaluation import evaluate_trajectories
 from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logprobs
+from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
@@ -123,6 +124,8 @@ class AgentRLModule(L.LightningModule):
         """Index of the iteration being trained (set by its rollout)."""
         self.iterations_done = 0
         """Completed iterations (updates made)."""
+        self.stop_request = StopRequest()
+        """Set by a signal handler (callbacks.preemption): rollouts and evaluations stop between turns."""
 
     # ------------------------------------------------------------------ sharding
 
@@ -197,6 +200,7 @@ class AgentRLModule(L.LightningModule):
                 skill_bank=self.skill_bank,
                 num_threads=self.env_cfg.num_threads,
                 env_wrappers=wrappers,
+                stop_requested=lambda: self.stop_request.requested,
             )
         return self._collector
 
@@ -218,7 +222,10 @@ class AgentRLModule(L.LightningModule):
             if world > 1:  # each rank plays whole groups of its own
                 tasks = tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
             t0 = time.perf_counter()
-            trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
+            try:
+                trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
+            except RolloutStopped:
+                raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
             t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
@@ -231,6 +238,8 @@ class AgentRLModule(L.LightningModule):
                 if self.ref_model is not None:
                     rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
             t_teacher = time.perf_counter() - t0
+            if self.stop_request.agreed():  # before the update, the longest phase: abandon now
+                raise Preempted(self.stop_request.signal_name, batch.iteration, update_done=False)
         finally:
             self.model.train(was_training)
         self.iteration = batch.iteration
@@ -363,6 +372,12 @@ class AgentRLModule(L.LightningModule):
         self.log_dict(shown, on_step=True, prog_bar=True, batch_size=batch.num_trajectories)
         return loss
 
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        # Lightning calls this after every callback's batch-end hook: the iteration's checkpoint,
+        # rollout shard and evaluation are done, so a signalled run stops with the iteration kept.
+        if self.stop_request.agreed():
+            raise Preempted(self.stop_request.signal_name, self.iteration, update_done=True)
+
     def update(self, batch: RolloutBatch, batch_idx: int) -> tuple[dict[str, float], Tensor]:
         """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss."""
         if batch.advantages is None:
@@ -470,7 +485,10 @@ class AgentRLModule(L.LightningModule):
         try:
             collector = self.collector
             collector.generator.sync_weights(self.model)
-            trajectories = collector.collect(self.eval_tasks(), with_teacher=False, sampling=self.eval_sampling)
+            try:
+                trajectories = collector.collect(self.eval_tasks(), with_teacher=False, sampling=self.eval_sampling)
+            except RolloutStopped:  # the evaluation is dropped; training state is whole
+                raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
             self.model.train(was_training)
         metrics = evaluate_trajectories(trajectories)

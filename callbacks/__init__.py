@@ -7,19 +7,22 @@ from pathlib import Path
 from callbacks.checkpoint import IterationCheckpoint
 from callbacks.credit import CreditCallback
 from callbacks.evaluation import EvaluationCallback
+from callbacks.preemption import PreemptionCallback
 from callbacks.rollout_logging import RolloutShardWriter
 
-__all__ = ["CreditCallback", "EvaluationCallback", "IterationCheckpoint", "RolloutShardWriter", "default_callbacks"]
+__all__ = ["CreditCallback", "EvaluationCallback", "IterationCheckpoint", "PreemptionCallback", "RolloutShardWriter", "default_callbacks"]
 
 
 def default_callbacks(cfg, output_dir: Path) -> list:
     """The callbacks train.py attaches: credit, evaluation, checkpoints, rollout shards, progress bar."""
     from lightning.pytorch.callbacks import RichProgressBar
 
+    checkpoint = IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations)
     callbacks = [
+        PreemptionCallback(checkpoint),  # first: its signal handlers cover the pre-training evaluation too
         CreditCallback(),
         EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations, before_training=cfg.evaluation.get("before_training", True)),
-        IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations),
+        checkpoint,
         RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
     ]
     if cfg.trainer.get("enable_progress_bar", True):

@@ -29,6 +29,8 @@ class IterationCheckpoint(L.Callback):
             raise ValueError(f"checkpoint.every_n_iterations must be >= 1, got {every_n_iterations}")
         self.dirpath = Path(dirpath)
         self.every_n_iterations = every_n_iterations
+        self.saved_at: int | None = None
+        """Completed iterations in the last checkpoint this process wrote (None before the first)."""
 
     @property
     def last_path(self) -> Path:
@@ -63,6 +65,7 @@ class IterationCheckpoint(L.Callback):
             os.replace(self._tmp, self.last_path)
             _remove(self._old)
         trainer.strategy.barrier()
+        self.saved_at = int(getattr(trainer.lightning_module, "iterations_done", -1))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         done = pl_module.iteration + 1

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import gymnasium as gym
 
-from agentopsd.distributed import any_rank, is_distributed
+from agentopsd.distributed import all_max, is_distributed
+from agentopsd.preemption import RolloutStopped
 from agentopsd.prompts import HistoryEntry, PromptBuilder, assert_no_skills, parse_action
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.skills import SkillBank
@@ -68,6 +69,7 @@ class Collector:
         skill_bank: SkillBank | None = None,
         num_threads: int = 0,
         env_wrappers: Sequence = (),
+        stop_requested: Callable[[], bool] | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {max_turns}")
@@ -81,6 +83,8 @@ class Collector:
         self.skill_bank = skill_bank
         self.num_threads = num_threads
         self.env_wrappers = tuple(env_wrappers)
+        self.stop_requested = stop_requested
+        """Checked before every turn: when it holds on any rank, ``collect`` raises RolloutStopped."""
         self._pools: dict[str, list[gym.Env]] = {}
         self.stats = CollectorStats()
         self._skill_lines = self._all_skill_lines(skill_bank)
@@ -135,7 +139,12 @@ class Collector:
         synced = is_distributed()
         for _ in range(self.max_turns):
             active = [i for i, ep in enumerate(episodes) if not ep.done]
-            if not (any_rank(bool(active)) if synced else active):
+            stop = bool(self.stop_requested is not None and self.stop_requested())
+            # one collective per turn answers both questions: max(2 * stop + active) over ranks
+            code = all_max(2 * stop + bool(active)) if synced else 2 * stop + bool(active)
+            if code >= 2:
+                raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
+            if not code:
                 break
             if not active:
                 # other ranks still play: keep entering the sharded forwards with a dummy prompt

@@ -1,0 +1,94 @@
+"""PreemptionCallback: on SIGTERM or SIGUSR1, stop at the next safe point, save, and exit.
+
+Safe points, each reached by every rank together (the stop request is agreed by a collective):
+- between turns of a rollout: the iteration is abandoned (its update never started) and the
+  task stream is rewound so that a resumed run plays it again with the same tasks;
+- after an iteration's update and every callback's batch-end work (checkpoint, rollout shard,
+  evaluation): the iteration is kept (``AgentRLModule.on_train_batch_end``, the last batch hook);
+- between turns of an evaluation: the evaluation is dropped.
+The wait is bounded by one turn of generation, or by the rest of one update when the signal
+arrives during it. Then ``last.ckpt`` is written and the run raises
+:class:`agentopsd.preemption.Preempted`, which ``train.py`` turns into a message and exit status
+128 + the signal number. ``ckpt_path=last`` resumes.
+
+This replaces Lightning's own SIGTERM handling for the fit (which raised at the next batch
+without saving, or waited for a long rollout to end) and restores the previous handlers after.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import lightning as L
+
+from agentopsd.preemption import STOP_SIGNALS, Preempted, StopRequest
+from callbacks.checkpoint import IterationCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+class PreemptionCallback(L.Callback):
+    """Installs handlers for ``signals`` during fit; saves through ``checkpoint`` when one arrives."""
+
+    def __init__(self, checkpoint: IterationCheckpoint, signals: tuple[str, ...] = STOP_SIGNALS) -> None:
+        unknown = [s for s in signals if not isinstance(getattr(signal, s, None), signal.Signals)]
+        if unknown:
+            raise ValueError(f"unknown signal names {unknown}; use names like SIGTERM, SIGUSR1")
+        self.checkpoint, self.signals = checkpoint, tuple(signals)
+        self._previous: dict[int, object] = {}
+
+    @staticmethod
+    def _request(pl_module: L.LightningModule) -> StopRequest:
+        request = getattr(pl_module, "stop_request", None)
+        if request is None:
+            request = pl_module.stop_request = StopRequest()
+        return request
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # on_train_start, not earlier: Lightning installs its own SIGTERM handler after on_fit_start
+        # (it raises at the next batch without saving); ours replaces it for the fit. Put this
+        # callback first so that it is in place before a pre-training evaluation starts.
+        request = self._request(pl_module)
+        request.clear()
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not on the main thread: SIGTERM/SIGUSR1 will not stop this run cleanly")
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            name = signal.Signals(signum).name
+            if not request.requested:
+                log.warning(
+                    "rank %d received %s: stopping at the next safe point (the next turn of a rollout, or the "
+                    "end of the current update), then saving a checkpoint", trainer.global_rank, name,
+                )
+            request.set(name)
+
+        for name in self.signals:
+            num = getattr(signal, name)
+            self._previous[num] = signal.getsignal(num)
+            signal.signal(num, handler)
+
+    def _restore(self) -> None:
+        for num, previous in self._previous.items():
+            signal.signal(num, previous)
+        self._previous.clear()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._restore()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, Preempted):
+            return
+        if not exception.update_done:
+            # the abandoned iteration's tasks were drawn but never trained on: play them again on resume
+            stream = getattr(trainer.datamodule, "stream", None) if trainer.datamodule is not None else None
+            if stream is not None:
+                stream.position = exception.iteration
+        done = pl_module.iterations_done
+        if self.checkpoint.saved_at != done:
+            self.checkpoint.save(trainer)
+        if trainer.is_global_zero:
+            log.warning("%s: checkpoint with %d completed iterations at %s", exception.signal_name, done, self.checkpoint.last_path)

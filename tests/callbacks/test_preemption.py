@@ -1,0 +1,159 @@
+"""A run that survives its cluster: SIGTERM/SIGUSR1 stop it at a safe point with a checkpoint,
+and ``ckpt_path=last`` continues the same task stream."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from agentopsd.data import TaskDataModule
+from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
+from callbacks.checkpoint import IterationCheckpoint
+from callbacks.credit import CreditCallback
+from callbacks.preemption import PreemptionCallback
+from tests.agentopsd.test_module import _task_batch, make_module
+from tests.conftest import TOY_ID
+from tests.test_train import ROOT, run_train, shard_records
+
+
+def test_exit_code_names_the_signal():
+    assert Preempted("SIGTERM", 3, update_done=True).exit_code == 143
+    assert Preempted("SIGUSR1", 3, update_done=False).exit_code == 128 + signal.SIGUSR1
+
+
+def test_unknown_signal_name_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="SIGTERM"):
+        PreemptionCallback(IterationCheckpoint(str(tmp_path)), signals=("SIGTERMM",))
+
+
+def test_stop_request_keeps_the_first_signal():
+    request = StopRequest()
+    assert not request.requested and not request.agreed()
+    request.set("SIGUSR1")
+    request.set("SIGTERM")
+    assert request.signal_name == "SIGUSR1" and request.agreed()
+
+
+def test_rollout_stops_between_turns_and_is_abandoned(tiny_walk_policy):
+    module = make_module(tiny_walk_policy)
+    module.trainer = None
+    checks = []
+
+    def stop_from_third_turn() -> bool:
+        checks.append(1)
+        return len(checks) > 2
+
+    module.collector.stop_requested = stop_from_third_turn
+    module.stop_request.set("SIGTERM")
+    with pytest.raises(Preempted) as info:
+        module.rollout(_task_batch(5))
+    assert info.value.iteration == 5 and not info.value.update_done
+    assert len(checks) == 3  # two turns were played, the third never started
+    assert module.model.training  # train mode restored on the way out
+
+
+def test_collector_raises_when_asked_to_stop(tiny_walk_policy):
+    module = make_module(tiny_walk_policy)
+    module.trainer = None
+    module.collector.stop_requested = lambda: True
+    with pytest.raises(RolloutStopped):
+        module.collector.collect(_task_batch(0).tasks, with_teacher=False)
+
+
+class _SignalAt(L.Callback):
+    """Sends a real signal to this process at a chosen point of the fit."""
+
+    def __init__(self, signum: int, hook: str, iteration: int) -> None:
+        self.signum, self.hook, self.iteration = signum, hook, iteration
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.hook == "update" and pl_module.iteration == self.iteration:
+            os.kill(os.getpid(), self.signum)  # arrives during the update: the iteration is kept
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_during_update_keeps_the_iteration(tiny_walk_policy, tmp_path, signum):
+    module = make_module(tiny_walk_policy, iterations=4)
+    checkpoint = IterationCheckpoint(str(tmp_path), every_n_iterations=100)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        callbacks=[PreemptionCallback(checkpoint), CreditCallback(), checkpoint, _SignalAt(signum, "update", 1)])
+    previous = signal.getsignal(signum)
+    with pytest.raises(Preempted) as info:
+        trainer.fit(module, datamodule=TaskDataModule(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=4))
+    assert info.value.update_done and info.value.signal_name == signal.Signals(signum).name
+    assert signal.getsignal(signum) == previous  # handlers restored after the fit
+    state = torch.load(checkpoint.last_path, weights_only=False)
+    assert state["agentopsd"]["iterations_done"] == 2
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"] == 2
+
+
+def test_abandoned_iteration_rewinds_the_stream(tiny_walk_policy, tmp_path):
+    module = make_module(tiny_walk_policy, iterations=4)
+    checkpoint = IterationCheckpoint(str(tmp_path), every_n_iterations=100)
+
+    class SignalInRollout(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if pl_module.iteration == 0:
+                pl_module.collector.stop_requested = lambda: True  # as if a signal came during the next rollout
+                pl_module.stop_request.set("SIGTERM")
+
+    # the stop check in on_train_batch_end would fire first: request it only for the rollout
+    module.on_train_batch_end = lambda *a: None
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[PreemptionCallback(checkpoint), CreditCallback(), checkpoint, SignalInRollout()])
+    with pytest.raises(Preempted) as info:
+        trainer.fit(module, datamodule=TaskDataModule(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=4))
+    assert info.value.iteration == 1 and not info.value.update_done
+    state = torch.load(checkpoint.last_path, weights_only=False)
+    assert state["agentopsd"]["iterations_done"] == 1
+    # iteration 1 was drawn but never trained: the resumed stream starts there
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"] == 1
+
+
+def _wait_for_shards(out: Path, n: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(list((out / "rollouts").glob("*.tar"))) < n:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_real_signal_to_a_real_run_then_resume(processes, tmp_path):
+    out = tmp_path / f"p{processes}"
+    common = [
+        "experiment=babyai_tiny", f"output_dir={out}", "num_iterations=6", "checkpoint.every_n_iterations=100",
+        "evaluation.num_tasks=2", "trainer.enable_progress_bar=false", "data.tasks_per_batch=2",
+    ]
+    if processes == 2:
+        common += ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.Popen([sys.executable, "train.py", *common], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_shards(out, 2, proc, timeout=600)
+        proc.send_signal(signal.SIGTERM)  # to rank 0 only: the ranks agree and stop together
+        sent = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert time.monotonic() - sent < 60, "the run did not stop within a bounded time"
+    assert proc.returncode == 143, output[-3000:]
+    assert "stopped by SIGTERM" in output and "ckpt_path=last" in output
+    state = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    done = state["agentopsd"]["iterations_done"]
+    assert 2 <= done < 6
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"] == done
+    run_train(*common, "ckpt_path=last", timeout=900)
+    # every iteration trained exactly once, on the same task stream: one shard each, no gaps
+    assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in range(6)]
