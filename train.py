@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -17,17 +18,25 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 import envs  # noqa: F401  (registers the agentopsd/* environments)
+from agentopsd.models import ModelNotFoundError
 from agentopsd.preemption import Preempted
-from agentopsd.validation import resolve_ckpt_path, validate_config
+from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
 
 log = logging.getLogger("agentopsd")
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> dict[str, float]:
-    validate_config(cfg)
-    L.seed_everything(cfg.seed, workers=True)
     output_dir = Path(cfg.output_dir)
+    try:  # every check that can fail, before any weights load or work starts
+        validate_config(cfg)
+        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
+    except (ConfigError, ModelNotFoundError) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {err}", file=sys.stderr)  # one line naming the field and the fix
+        sys.exit(2)
+    L.seed_everything(cfg.seed, workers=True)
 
     model, tokenizer = instantiate(cfg.model)
     if cfg.warm_start:
@@ -61,7 +70,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         default_root_dir=str(output_dir),
     )
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg.ckpt_path, output_dir))
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     except Preempted as stop:
         if trainer.is_global_zero:
             print(

@@ -96,11 +96,16 @@ class OptimConfig:
 class EvalConfig:
     """The fixed evaluation list and how often it runs."""
 
-    num_tasks: int = 50
-    """How many tasks of the environment's eval split (always the first ones: the same every run)."""
+    num_tasks: int | None = 50
+    """How many tasks of the environment's eval split (always the first ones: the same every run);
+    None = the whole list. More than the list holds is an error (train.py checks it before any work)."""
     every_n_iterations: int = 0
     """0 = only before training and at the end."""
     before_training: bool = True
     """Evaluate the initial weights too (off when many runs share one warm start already evaluated)."""
     max_turns: int | None = None
     """Defaults to env.max_turns."""
+
+    def __post_init__(self) -> None:
+        if self.num_tasks is not None and self.num_tasks < 1:
+            raise ValueError(f"evaluation.num_tasks must be >= 1 or null (the whole list), got {self.num_tasks}")

