@@ -155,6 +155,11 @@ class AgentRLModule(L.LightningModule):
         for layer in layers if layers is not None else []:
             fully_shard(layer, **kwargs)
         fully_shard(self.model, **kwargs)
+        if self.ref_model is not None:
+            # the KL reference is a whole second model: unsharded, every rank would hold all of it
+            for layer in getattr(getattr(self.ref_model, "model", None), "layers", None) or []:
+                fully_shard(layer, **kwargs)
+            fully_shard(self.ref_model, **kwargs)
         self._sharded = True
         if upcast and upcast_half_params(self.model):
             log.info("trainer.precision=%s: half-precision weight shards upcast to float32 master weights", precision)
