@@ -24,7 +24,7 @@ from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import all_max, is_distributed, rank_and_world, shard_groups
 from agentopsd.evaluation import evaluate_trajectories
-from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logprobs
+from agentopsd.losses import aggregate, clipped_policy_loss, distillation_loss, token_entropy, token_logprobs
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
@@ -149,6 +149,7 @@ class AgentRLModule(L.LightningModule):
                 env_kwargs=self.env_cfg.kwargs,
                 max_turns=self.env_cfg.max_turns,
                 invalid_penalty=self.env_cfg.invalid_penalty,
+                reward=self.env_cfg.reward,
                 skill_bank=self.skill_bank,
                 num_threads=self.env_cfg.num_threads,
                 env_wrappers=wrappers,
@@ -202,7 +203,8 @@ class AgentRLModule(L.LightningModule):
         return {
             "rollout/success": sum(t.success for t in trajectories) / n,
             "rollout/score": sum(t.score for t in trajectories) / n,
-            "rollout/reward": sum(t.total_reward for t in trajectories) / n,
+            "rollout/reward": sum(t.reward for t in trajectories) / n,
+            "rollout/penalty": sum(t.total_penalty for t in trajectories) / n,
             "rollout/turns": sum(len(t.turns) for t in trajectories) / n,
             "rollout/format_errors": float(s.format_errors),
             "rollout/invalid_actions": float(s.invalid_actions),
@@ -211,6 +213,7 @@ class AgentRLModule(L.LightningModule):
             "perf/rollout_tokens_per_s": s.generated_tokens / max(s.generate_seconds, 1e-9),
             "perf/env_seconds": s.env_seconds,
             "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
+            "rollout/skill_trimmed": float(collector.prompts.stats.get("skill_trimmed", 0)),
         }
 
     # ------------------------------------------------------------------ scoring
@@ -341,7 +344,10 @@ class AgentRLModule(L.LightningModule):
                 for _ in range(all_max(len(micros)) - len(micros) if is_distributed() else 0):
                     self.manual_backward(self.action_logprobs(batch, "student", perm[:1], grad=True).sum() * 0.0)
                 for micro in micros:
-                    lp = self.action_logprobs(batch, "student", micro, grad=True)
+                    if algo.entropy_coef > 0:
+                        lp, entropy = self._logprobs_and_entropy(batch, micro)
+                    else:
+                        lp = self.action_logprobs(batch, "student", micro, grad=True)
                     mask = batch.action_mask[micro]
                     loss, st = clipped_policy_loss(
                         lp, batch.old_logprobs[micro], batch.advantages[micro], mask,
@@ -352,6 +358,15 @@ class AgentRLModule(L.LightningModule):
                         loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
                     if first:
                         ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
+                    teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[micro]
+                    extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[micro], mask, normalizer)
+                    if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
+                        loss = loss + extra
+                        stats_log.setdefault("distill_loss", []).append(float(extra.detach()))
+                    if algo.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
+                        mean_entropy = aggregate(entropy, mask, algo.aggregation, normalizer)
+                        loss = loss - algo.entropy_coef * mean_entropy
+                        stats_log.setdefault("entropy", []).append(float(mean_entropy.detach()))
                         dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
                         self.first_ratio_dev = max(self.first_ratio_dev, dev) if micro is not micros[0] else dev
                     self.manual_backward(loss)
@@ -372,6 +387,18 @@ class AgentRLModule(L.LightningModule):
 
     def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float) -> Tensor:
         with torch.no_grad():
+    def _logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Student log-probs (with gradient) and the policy's entropy at the action positions, both
+        ``[m, L]`` (0 elsewhere), from one forward: the entropy bonus needs the logits."""
+        mask = batch.action_mask[rows]
+        logits, targets = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], mask)
+        logits = logits / self.sampling.scoring_temperature
+        lp = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
+        entropy = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
+        lp[mask] = token_logprobs(logits, targets)
+        entropy[mask] = token_entropy(logits)
+        return lp, entropy
+
             t_logits, _ = self._action_logits(batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows])
         s_logits, _ = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], batch.action_mask[rows])
         ones = torch.ones(1, s_logits.shape[0], dtype=torch.bool, device=s_logits.device)

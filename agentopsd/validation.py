@@ -31,6 +31,7 @@ def validate_config(cfg: DictConfig) -> None:
         raise ConfigError(f"algorithm.mult_lambda={algo.mult_lambda} must be in [0, 1]; 0 is GRPO, the paper uses 0.5")
     if "gap_decay_gamma" in algo and not 0 <= algo.gap_decay_gamma <= 1:
         raise ConfigError(f"algorithm.gap_decay_gamma={algo.gap_decay_gamma} must be in [0, 1]; the paper uses 0.95")
+    _validate_baseline_knobs(algo)
     rows = cfg.data.tasks_per_batch * cfg.data.group_size
     if cfg.optim.num_mini_batches > rows:
         raise ConfigError(
@@ -50,6 +51,19 @@ def validate_config(cfg: DictConfig) -> None:
         from agentopsd.models import resolve_model_path
 
         resolve_model_path(cfg.model.path)  # raises ModelNotFoundError in seconds
+
+
+def _validate_baseline_knobs(algo: DictConfig) -> None:
+    """The knobs of the baselines (RLSD, SDAR, Skill-SD, GRPO+OPSD, GiGPO) and the shared loss terms."""
+    for key in ("kl_coef", "entropy_coef", "distill_coef", "gate_beta", "step_weight"):
+        if key in algo and algo[key] < 0:
+            raise ConfigError(f"algorithm.{key}={algo[key]} must be >= 0 (0 turns the term off)")
+    if "lambda_warmdown_steps" in algo and algo.lambda_warmdown_steps < 0:
+        raise ConfigError(f"algorithm.lambda_warmdown_steps={algo.lambda_warmdown_steps} must be >= 0; 0 keeps lambda constant, RLSD's public runs use 100")
+    if "gamma" in algo and not 0 <= algo.gamma <= 1:
+        raise ConfigError(f"algorithm.gamma={algo.gamma} must be in [0, 1]; GiGPO uses 0.95")
+    if "norm" in algo and algo.norm not in ("mean_std", "mean"):
+        raise ConfigError(f"algorithm.norm={algo.norm!r} must be 'mean_std' or 'mean'")
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
