@@ -254,8 +254,9 @@ class AgentOPSD(Algorithm):
         generation order across all its turns. One accumulator runs through the trajectory
         (``c_t = gamma c_{t-1} + delta_t``, so gamma decays per token and is not reset at turn
         boundaries), the prior is the same group success rate, ``q`` is standardised over all of
-        the trajectory's tokens, and each token gets its own multiplier. (Not implemented: a
-        per-turn reset, or token-level multipliers inside a turn-level belief.)
+        the trajectory's tokens, and each token gets its own multiplier. Not implemented: the
+        public code's ``granularity=token``, which runs the recursion inside each turn on its own
+        (a fresh accumulator from the prior, and the standardisation, per turn row).
 
         Rows of different trajectories may come in any order, but the rows of one trajectory
         must come in turn order: its token sequence is read row by row, and a row out of turn
