@@ -128,13 +128,20 @@ def test_teacher_view_is_the_student_view_plus_the_skill_block_for_every_env(env
     skill = SkillBank.for_env(cfg.skills).retrieve(key, task).render()
     assert skill.count("\n") >= 2, "the skill block should span lines, so that shortening it is exercised"
     common = {"output_format": cfg.output_format, "show_admissible": cfg.get("show_admissible", True)}
-    roomy = PromptBuilder(tok, history_window=8, max_prompt_tokens=10**6, **common)
+    for window in sorted({cfg.get("history_window", 2), 8}):  # the environment's own window, and a long one
+        trimmed = _check_views(tok, task, history, obs, admissible, skill, window, common)
+        if window == 8:
+            assert trimmed["history"] and trimmed["skill"], trimmed  # both cuts were exercised
+
+
+def _check_views(tok, task, history, obs, admissible, skill, window, common) -> dict[str, int]:
+    roomy = PromptBuilder(tok, history_window=window, max_prompt_tokens=10**6, **common)
     full_student = len(roomy.build_views(task, history, obs, admissible).student)
     full_teacher = len(roomy.build_views(task, history, obs, admissible, skill=skill).teacher)
     trimmed = {"history": 0, "skill": 0}
     # budgets from roomy to below the student's own length: nothing cut, the skill cut, history cut too
     for budget in sorted({full_teacher, (full_student + full_teacher) // 2, full_student, full_student - 40, full_student // 2}):
-        b = PromptBuilder(tok, history_window=8, max_prompt_tokens=budget, **common)
+        b = PromptBuilder(tok, history_window=window, max_prompt_tokens=budget, **common)
         views = b.build_views(task, history, obs, admissible, skill=skill)
         student, teacher = tok.decode(views.student), tok.decode(views.teacher)
         assert skill.startswith(views.skill) and (views.skill == "" or skill[len(views.skill) :][:1] in ("", "\n"))
@@ -145,10 +152,11 @@ def test_teacher_view_is_the_student_view_plus_the_skill_block_for_every_env(env
         else:
             assert views.teacher == views.student
         # the student view is the one the student gets with no teacher at all
-        assert views.student == PromptBuilder(tok, history_window=8, max_prompt_tokens=budget, **common).build(task, history, obs, admissible)
+        alone = PromptBuilder(tok, history_window=window, max_prompt_tokens=budget, **common)
+        assert views.student == alone.build(task, history, obs, admissible)
         trimmed["history"] += b.stats["history_trimmed"] > 0
         trimmed["skill"] += b.stats["skill_trimmed"] > 0
-    assert trimmed["history"] and trimmed["skill"], trimmed  # both cuts were exercised
+    return trimmed
 
 
 def test_independent_trimming_would_have_split_the_history(tiny_walk_policy):
