@@ -40,6 +40,7 @@ from agentopsd.credit import (
     pack_turns,
     rlsd_token_advantages,
     stepopsd_multipliers,
+    turn_evidence,
     turn_multipliers,
     unpack_turns,
 )
@@ -93,18 +94,15 @@ def turn_view(batch: Mapping | object, *, with_gaps: bool = True) -> TurnView:
         valid = token_turn >= 0
         k = max(int(token_turn.max()) + 1 if token_turn.numel() else 0, 1)
         spill = torch.where(valid, token_turn, torch.full_like(token_turn, k)).long()  # column k is cut off
-        counts = torch.zeros(token_turn.shape[0], k + 1, device=token_turn.device).scatter_add_(1, spill, valid.float())
-        gaps = torch.zeros_like(counts)
-        if with_gaps:
-            delta = _get(batch, "teacher_logprobs").detach().float() - _get(batch, "student_logprobs").detach().float()
-            gaps.scatter_add_(1, spill, torch.where(valid, delta, torch.zeros_like(delta)))
-        return TurnView(gaps[:, :k], counts[:, :k], counts[:, :k] > 0, None, token_turn)
+        counts = torch.zeros(token_turn.shape[0], k + 1, device=token_turn.device).scatter_add_(1, spill, valid.float())[:, :k]
+        gaps = turn_evidence(_get(batch, "teacher_logprobs"), _get(batch, "student_logprobs"), token_turn, k) if with_gaps else counts * 0
+        return TurnView(gaps, counts, counts > 0, None, token_turn)
     mask = _get(batch, "action_mask").bool()
     traj, index = _get(batch, "turn_traj").long(), _get(batch, "turn_index").long()
     row_gap = torch.zeros(mask.shape[0], device=mask.device)
-    if with_gaps:
-        delta = _get(batch, "teacher_logprobs").detach().float() - _get(batch, "student_logprobs").detach().float()
-        row_gap = (delta * mask).sum(dim=1)  # e_k per row
+    if with_gaps:  # e_k per row: each row is one turn, its own turn 0
+        row_turn = torch.where(mask, 0, -1)
+        row_gap = turn_evidence(_get(batch, "teacher_logprobs"), _get(batch, "student_logprobs"), row_turn, 1)[:, 0]
     gaps, turn_mask = pack_turns(row_gap, traj, index, num_trajectories=seq_adv.shape[0])
     counts, _ = pack_turns(mask.sum(1).float(), traj, index, num_trajectories=seq_adv.shape[0])
     return TurnView(gaps, counts, turn_mask, (traj, index), None)
