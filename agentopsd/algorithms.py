@@ -298,7 +298,9 @@ class AgentOPSD(Algorithm):
         _set(batch, "advantages", adv)
         if token_turn is None:
             _set(batch, "turn_advantages", seq_adv[traj].float())
-        credit = {"beliefs": beliefs, "revisions": revisions, "multipliers": w, "evidence": gaps, "turn_mask": tmask}
+        # token_level: these [B, tokens] records are not per turn (the rollout shards skip them)
+        credit = {"beliefs": beliefs, "revisions": revisions, "multipliers": w, "evidence": gaps, "turn_mask": tmask,
+                  "token_level": torch.tensor(True)}
         _set(batch, "credit", credit)
         return credit
 
@@ -398,9 +400,8 @@ class GiGPO(Algorithm):
         returns = discounted_turn_returns(rewards, view.mask, self.gamma)
         total, step_adv = gigpo_advantages(episode, returns, groups, view.mask, omega=self.step_weight, scale_by_std=by_std)
         _write_turns(batch, view, total)
-        credit = {"step_advantages": step_adv, "step_groups": groups, "turn_mask": view.mask}
-        _set(batch, "credit", credit)
-        return credit
+        # returned for the credit/ statistics only: batch.credit holds the belief records AgentOPSD logs per turn
+        return {"step_advantages": step_adv, "step_groups": groups, "turn_mask": view.mask}
 
 
 @dataclass(frozen=True)
