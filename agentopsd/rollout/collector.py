@@ -29,6 +29,8 @@ class _Episode:
     spec: TaskSpec
     task: str = ""
     observation: str = ""
+    env_state: str = ""
+    """The environment's last observation: what ``observation`` shows unless a format error replaced it."""
     admissible: list[str] | None = None
     skill: str = ""
     task_type: str = ""
@@ -182,7 +184,7 @@ class Collector:
             return
         info = res.info
         ep.task = str(info.get("task", ""))
-        ep.observation = res.observation
+        ep.observation = ep.env_state = res.observation
         ep.admissible = info.get("admissible_actions")
         ep.task_type = str(info.get("task_type", ""))
         ep.expert_steps = int(info.get("expert_steps", -1))
@@ -227,12 +229,14 @@ class Collector:
                 reward=reward,
                 valid=valid,
                 penalty=penalty,
-                state=ep.observation,
+                state=ep.env_state,  # a format error does not change the environment's state
             )
         )
         ep.history.append(HistoryEntry(observation=ep.observation, action=action or gen.text.strip()[:200]))
         if observation:
             ep.observation = observation
+        if action is not None and res.error is None:
+            ep.env_state = observation  # the environment stepped (an invalid action steps it too)
 
     def _finish(self, ep: _Episode) -> Trajectory:
         success = ep.won and ep.fault is None

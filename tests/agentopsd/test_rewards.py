@@ -118,8 +118,10 @@ def test_graded_score_is_logged_and_a_switch_makes_it_the_reward(tiny_walk_polic
 
 
 def test_turns_record_the_state_they_acted_on(tiny_walk_policy):
+    """GiGPO's anchor state is the environment's: a format error (the env never stepped) leaves it as it was."""
     _, tok = tiny_walk_policy
-    right = "<action>right</action>"
-    (traj,) = collect(tok, TOY_ID, [[right, right]])
-    assert [t.state for t in traj.turns] == ["You are at position 0. The goal is at position 2.", "You are at position 1. The goal is at position 2."]
-    assert traj.turns[0].observation == traj.turns[1].state
+    right, garbage = "<action>right</action>", "garbage"
+    (traj,) = collect(tok, TOY_ID, [[right, garbage, right]])
+    at = "You are at position {}. The goal is at position 2."
+    assert [t.state for t in traj.turns] == [at.format(0), at.format(1), at.format(1)]
+    assert traj.turns[0].observation == traj.turns[1].state and "did not follow the format" in traj.turns[1].observation
