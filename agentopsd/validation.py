@@ -67,12 +67,16 @@ def _validate_baseline_knobs(algo: DictConfig) -> None:
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
-    """``last`` -> ``<output_dir>/checkpoints/last.ckpt``; a missing file is an error, not a fresh start."""
+    """``last`` -> ``<output_dir>/checkpoints/last.ckpt`` (``output_dir`` is then the latest run of the name, see
+    ``agentopsd.runs.run_dir``); a missing file is an error, not a fresh start."""
     if ckpt_path is None:
         return None
     path = output_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
     if ckpt_path == "last" and not path.exists() and path.with_name(".last.ckpt.old").exists():
         path = path.with_name(".last.ckpt.old")  # killed between the two renames of a checkpoint swap
     if not path.exists():  # a file, or a directory of shards under FSDP
+        if ckpt_path == "last":  # output_dir is the latest run of the name, or a new folder when there is none
+            raise ConfigError(f"ckpt_path=last: no run with a checkpoint in {output_dir.parent} (looked for {path}); "
+                              "run without ckpt_path to start fresh")
         raise ConfigError(f"ckpt_path={ckpt_path!r}: no checkpoint at {path}; run without ckpt_path to start fresh")
     return str(path)
