@@ -316,7 +316,9 @@ class AgentRLModule(L.LightningModule):
         metrics, loss = self.update(batch, batch_idx)
         self.iterations_done = self.iteration + 1
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
-        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=batch.num_trajectories)
+        # "step": the loggers' x axis is completed iterations (not optimizer steps), as in the evaluation rows
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)}, on_step=True,
+                      batch_size=batch.num_trajectories)
         # the rich progress bar shows the rollout: success and turns per episode
         self.log_dict(shown, on_step=True, prog_bar=True, batch_size=batch.num_trajectories)
         return loss
@@ -377,7 +379,7 @@ class AgentRLModule(L.LightningModule):
                 self._optimizer_step(opt, sched, stats_log)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
         metrics["loss/first_ratio_dev"] = self.first_ratio_dev
-        metrics["rollout/iteration"] = float(self.iteration)
+        metrics["rollout/iteration"] = float(self.iteration + 1)  # numbered like every log: iterations completed by this update
         metrics["loss/lr"] = float(opt.param_groups[0]["lr"])
         self.phase_seconds["update"] = time.perf_counter() - t0
         metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})
