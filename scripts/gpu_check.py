@@ -375,6 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:  # the weights are big and rebuilt in seconds; the logs stay
         shutil.rmtree(work / name / "policy", ignore_errors=True)
     print(table(results, header))
+    for r in results:  # one try on a rented GPU: show why right here
+        if r.returncode != 0 and r.log.is_file():
+            tail = r.log.read_text(errors="replace").splitlines()[-40:]
+            print(f"--- {r.name}: last {len(tail)} lines of {r.log} ---", *tail, sep="\n", file=sys.stderr)
     return 0 if all(r.returncode == 0 and len(r.rows) == 2 for r in results) else 1
 
 

@@ -141,3 +141,14 @@ def test_the_pipeline_through_train_py_on_cpu(tmp_path: Path) -> None:
     assert float(lines["rollout tokens/s (vLLM)"][0]) > 0 and float(lines["update tokens/s"][0]) > 0
     assert float(lines["first mini-batch |ratio - 1| max"][0]) < 1e-2
     assert not (tmp_path / "webshop" / "policy").exists()  # weights removed, logs kept
+
+
+def test_a_failed_run_shows_its_log_tail(tmp_path: Path) -> None:
+    """2 trajectories cannot feed the experiment's 4 mini-batches: train.py stops in its config check."""
+    args = ["--skip-preflight", "--shape", "tiny", "--envs", "webshop", "--tasks", "1", "--group", "2",
+            "--workdir", str(tmp_path), "--no-qwen-tokenizer", "--override", "trainer.accelerator=cpu"]
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=_env())
+    assert proc.returncode == 1
+    assert "FAILED (exit 1" in proc.stdout and "iterations logged" in proc.stdout
+    assert "--- webshop: last" in proc.stderr and "optim.num_mini_batches=4 exceeds" in proc.stderr
