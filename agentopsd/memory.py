@@ -416,7 +416,9 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     rollout = cfg.rollout
     vllm_cfg = rollout.get("vllm") or {}
     uses_vllm = rollout.get("backend", "hf") == "vllm"
-    notes = tuple(n for n in (world_note,) if n)
+    lora_note = "model.lora is set: gradients and AdamW states are counted for every weight (an upper bound)" \
+        if model_cfg.get("lora") else ""
+    notes = tuple(n for n in (world_note, lora_note) if n)
     common = dict(model=str(model_cfg.get("path") or "tiny"), architecture=arch, unknown_reason=unknown, strategy=strategy,
                   world_size=world, precision=precision, param_dtype=param_dtype, compute_dtype=compute_dtype,
                   micro_batch_size=micro, sequence_tokens=seq, head_positions=head_positions,
