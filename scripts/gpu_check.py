@@ -329,7 +329,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8, help="data.group_size")
     p.add_argument("--turns", type=int, default=3, help="env.max_turns (the experiments: 50 ALFWorld, 15 WebShop)")
     p.add_argument("--eval-tasks", type=int, default=8, help="evaluation.num_tasks of the final evaluation")
-    p.add_argument("--timeout-s", type=float, default=210.0, help="per run; the two runs take about 2-3 minutes each")
+    p.add_argument("--timeout-s", type=float, default=210.0, help="per run (an estimate of 2-3 minutes each on an H200, not yet measured)")
     p.add_argument("--workdir", default=None, help="keep everything here (default: a temporary folder, logs kept)")
     p.add_argument("--no-qwen-tokenizer", action="store_true", help="use the tiny tokenizer even if Qwen2.5's is installed")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
