@@ -1,19 +1,22 @@
 """Algorithms as small config objects: choosing an algorithm is choosing a file in conf/algorithm/.
 
-Each algorithm says whether it needs the teacher view and turns a batch's gaps into the
-per-token advantages the clipped objective consumes. The math lives in
-:mod:`agentopsd.credit`; this module only moves tensors between layouts.
+Each algorithm says whether it needs the teacher view, turns a batch into the per-token
+advantages the clipped objective consumes, and may add a loss term of its own. The math lives
+in :mod:`agentopsd.credit` and :mod:`agentopsd.losses` (the functions the spec tests check);
+this module only moves tensors between layouts.
 
 Batch fields (a :class:`~agentopsd.types.RolloutBatch` or any mapping with these keys):
 
 * row layout (ours): ``teacher_logprobs``/``student_logprobs`` ``[M,L]``, ``action_mask`` ``[M,L]``,
-  ``turn_traj`` ``[M]``, ``turn_index`` ``[M]``;
+  ``turn_traj`` ``[M]``, ``turn_index`` ``[M]``; optional ``turn_penalties`` ``[M]``; GiGPO also
+  reads ``turn_state`` ``[M]`` (an id per distinct observation text) and ``rewards`` ``[B]``;
 * token layout (other code): ``teacher_logprobs``/``student_logprobs`` ``[B,T]`` and ``token_turn``
-  ``[B,T]`` (-1 off the action tokens);
+  ``[B,T]`` (-1 off the action tokens); optional ``turn_penalties`` ``[B,K]``;
 * both: ``seq_advantages`` ``[B]``, ``success`` ``[B]`` (0/1 bits), ``group_ids`` ``[B]``.
 
 Written: ``advantages`` (same shape as the log-probs), ``turn_advantages`` (``[M]`` rows, or ``[B,K]``),
-and ``credit`` (a dict of ``beliefs``, ``revisions``, ``multipliers``, ``evidence``, ``turn_mask``).
+and ``credit`` (AgentOPSD: ``beliefs``, ``revisions``, ``multipliers``, ``evidence``, ``turn_mask``).
+Every algorithm ends the same way: each turn's shaping penalty is charged to that turn's tokens.
 """
 
 from __future__ import annotations
@@ -26,79 +29,113 @@ from torch import Tensor
 
 from agentopsd.credit import (
     MODES,
+    anchor_state_groups,
+    apply_turn_penalties,
+    discounted_turn_returns,
+    gigpo_advantages,
     group_success_rate,
+    grpo_advantages,
+    lambda_at,
+    mix_advantages,
     pack_turns,
     rlsd_token_advantages,
+    stepopsd_multipliers,
     turn_evidence,
     turn_multipliers,
     unpack_turns,
 )
+from agentopsd.losses import AGGREGATIONS, sdar_loss, skill_sd_loss
 
 FIELDS_READ = (
     "teacher_logprobs and student_logprobs with either action_mask, turn_traj, turn_index (one row per turn) "
     "or token_turn ([B, T], -1 off the action tokens); always seq_advantages, success, group_ids"
 )
+GIGPO_NORMS = ("mean_std", "mean")
+
+
+def _opt(batch: Mapping | object, key: str) -> Tensor | None:
+    return batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
 
 
 def _get(batch: Mapping | object, key: str) -> Tensor:
-    value = batch.get(key) if isinstance(batch, Mapping) else getattr(batch, key, None)
+    value = _opt(batch, key)
     if value is None:
         raise KeyError(f"the batch has no field {key!r}; the credit step reads {FIELDS_READ}")
     return value
 
 
 def _set(batch: Mapping | object, key: str, value: object) -> None:
-    if isinstance(batch, dict):
-        batch[key] = value
-    else:
-        batch[key] = value  # RolloutBatch implements __setitem__
+    batch[key] = value  # dicts, and RolloutBatch implements __setitem__
 
 
-def _write_rows(batch: Mapping | object, turn_adv: Tensor, action_mask: Tensor) -> None:
-    """Row layout: one advantage per turn row, spread over that row's action tokens."""
-    _set(batch, "turn_advantages", turn_adv)
-    _set(batch, "advantages", turn_adv[:, None] * action_mask)
+def _check_mix(lam: float, band: float) -> None:
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"algorithm.mult_lambda must be in [0, 1], got {lam}")
+    if not 0.0 < band < 1.0:
+        raise ValueError(f"algorithm.mult_band must be in (0, 1), got {band}")
 
 
 @dataclass(frozen=True)
 class TurnView:
-    """A batch's gaps in the padded ``[B,K]`` layout plus the maps back to its own layout."""
+    """A batch's turns in the padded ``[B,K]`` layout plus the maps back to its own layout."""
 
-    gaps: Tensor  # [B, K]
+    gaps: Tensor  # [B, K] e_k = sum of the turn's token gaps (0 when no teacher was read)
+    counts: Tensor  # [B, K] action tokens per turn
     mask: Tensor  # [B, K]
     rows: tuple[Tensor, Tensor] | None  # (turn_traj, turn_index) for the row layout
     token_turn: Tensor | None  # [B, T] for the token layout
 
 
-def turn_view(batch: Mapping | object) -> TurnView:
-    """Turn evidence e_k in ``[B,K]`` from either layout."""
-    teacher, student = _get(batch, "teacher_logprobs"), _get(batch, "student_logprobs")
+def turn_view(batch: Mapping | object, *, with_gaps: bool = True) -> TurnView:
+    """Turn evidence e_k (and tokens per turn) in ``[B,K]`` from either layout."""
     seq_adv = _get(batch, "seq_advantages")
-    token_turn = batch.get("token_turn") if isinstance(batch, Mapping) else None
+    token_turn = _opt(batch, "token_turn") if isinstance(batch, Mapping) else None
     if token_turn is not None:
-        k = int(token_turn.max()) + 1 if token_turn.numel() else 0
-        gaps = turn_evidence(teacher, student, token_turn, max(k, 1))
-        # non-action tokens go to a spill column that is cut off
-        spill = torch.where(token_turn >= 0, token_turn, torch.full_like(token_turn, gaps.shape[1])).long()
-        present = torch.zeros(gaps.shape[0], gaps.shape[1] + 1, dtype=torch.bool, device=gaps.device)
-        present.scatter_(1, spill, torch.ones_like(spill, dtype=torch.bool))
-        return TurnView(gaps, present[:, :-1], None, token_turn)
+        valid = token_turn >= 0
+        k = max(int(token_turn.max()) + 1 if token_turn.numel() else 0, 1)
+        spill = torch.where(valid, token_turn, torch.full_like(token_turn, k)).long()  # column k is cut off
+        counts = torch.zeros(token_turn.shape[0], k + 1, device=token_turn.device).scatter_add_(1, spill, valid.float())[:, :k]
+        gaps = turn_evidence(_get(batch, "teacher_logprobs"), _get(batch, "student_logprobs"), token_turn, k) if with_gaps else counts * 0
+        return TurnView(gaps, counts, counts > 0, None, token_turn)
     mask = _get(batch, "action_mask").bool()
     traj, index = _get(batch, "turn_traj").long(), _get(batch, "turn_index").long()
-    row_gap = ((teacher.detach().float() - student.detach().float()) * mask).sum(dim=1)  # e_k per row
+    row_gap = torch.zeros(mask.shape[0], device=mask.device)
+    if with_gaps:  # e_k per row: each row is one turn, its own turn 0
+        row_turn = torch.where(mask, 0, -1)
+        row_gap = turn_evidence(_get(batch, "teacher_logprobs"), _get(batch, "student_logprobs"), row_turn, 1)[:, 0]
     gaps, turn_mask = pack_turns(row_gap, traj, index, num_trajectories=seq_adv.shape[0])
-    return TurnView(gaps, turn_mask, (traj, index), None)
+    counts, _ = pack_turns(mask.sum(1).float(), traj, index, num_trajectories=seq_adv.shape[0])
+    return TurnView(gaps, counts, turn_mask, (traj, index), None)
 
 
-def _spread(view: TurnView, turn_adv: Tensor, like: Tensor, action_mask: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Turn advantages back to per-token advantages in the batch's own layout."""
+def _spread(view: TurnView, turn_adv: Tensor, action_mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Turn advantages ``[B,K]`` back to per-token advantages (and turn advantages) in the batch's own layout."""
     if view.token_turn is not None:
-        idx = view.token_turn.clamp_min(0).long()
-        per_token = torch.gather(turn_adv, 1, idx)
-        return torch.where(view.token_turn >= 0, per_token, torch.zeros_like(per_token)).to(like.dtype), turn_adv
+        per_token = torch.gather(turn_adv, 1, view.token_turn.clamp_min(0).long())
+        return torch.where(view.token_turn >= 0, per_token, torch.zeros_like(per_token)).float(), turn_adv
     traj, index = view.rows
     rows = unpack_turns(turn_adv, traj, index)
-    return (rows[:, None] * action_mask).to(like.dtype), rows
+    return (rows[:, None] * action_mask).float(), rows
+
+
+def _write_turns(batch: Mapping | object, view: TurnView, turn_adv: Tensor) -> None:
+    turn_adv = torch.where(view.mask, turn_adv, torch.zeros((), dtype=turn_adv.dtype, device=turn_adv.device))
+    action_mask = None if view.token_turn is not None else _get(batch, "action_mask")
+    adv, turn_out = _spread(view, turn_adv, action_mask)
+    _set(batch, "advantages", adv)
+    _set(batch, "turn_advantages", turn_out)
+
+
+def _token_mask(batch: Mapping | object) -> Tensor:
+    token_turn = _opt(batch, "token_turn") if isinstance(batch, Mapping) else None
+    return token_turn >= 0 if token_turn is not None else _get(batch, "action_mask").bool()
+
+
+def _row_advantages(batch: Mapping | object) -> Tensor:
+    """A_seq of each row's trajectory (row layout) or of each row (token layout: a row is a trajectory)."""
+    seq_adv = _get(batch, "seq_advantages")
+    token_turn = _opt(batch, "token_turn") if isinstance(batch, Mapping) else None
+    return seq_adv if token_turn is not None else seq_adv[_get(batch, "turn_traj").long()]
 
 
 @dataclass(frozen=True)
@@ -111,33 +148,64 @@ class Algorithm:
     eps_high: float = 0.24
     """Upper clip range ("clip-higher", the paper's setting)."""
     kl_coef: float = 0.0
-    """k3 KL penalty to a frozen reference (off by default, as in the paper)."""
+    """k3 KL penalty to a frozen reference (off by default; the 3B/7B experiments set the public runs' 0.01)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus on the action tokens (off by default; the 3B/7B experiments set the public runs' 0.001)."""
     aggregation: str = "token-mean"
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.eps_low < 1 or self.eps_high < 0:
-            raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
 
     needs_teacher = False
     needs_teacher_logits = False
     distill_coef = 0.0
 
-    def assign(self, batch: Mapping | object) -> dict[str, Tensor]:
-        seq_adv = _get(batch, "seq_advantages")
-        if isinstance(batch, Mapping) and batch.get("token_turn") is not None:
-            tt = batch["token_turn"]
-            adv = torch.where(tt >= 0, seq_adv[:, None].expand_as(tt), torch.zeros((), device=tt.device)).float()
-            _set(batch, "advantages", adv)
-            return {}
-        mask = _get(batch, "action_mask").bool()
-        traj = _get(batch, "turn_traj").long()
-        _write_rows(batch, seq_adv[traj].float(), mask)
+    def __post_init__(self) -> None:
+        if not 0 <= self.eps_low < 1 or self.eps_high < 0:
+            raise ValueError(f"algorithm.eps_low must be in [0, 1) and eps_high >= 0, got {self.eps_low}, {self.eps_high}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(f"algorithm.kl_coef and entropy_coef must be >= 0, got {self.kl_coef}, {self.entropy_coef}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"algorithm.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
+
+    def assign(self, batch: Mapping | object, step: int = 0) -> dict[str, Tensor]:
+        """Write ``advantages`` into ``batch`` for training iteration ``step``; return tensors to log.
+
+        The algorithm's credit first, then each turn's shaping penalty on that turn's tokens only.
+        """
+        credit = self.credit(batch, step)
+        self._charge_penalties(batch)
+        return credit
+
+    def credit(self, batch: Mapping | object, step: int) -> dict[str, Tensor]:
+        row_adv = _row_advantages(batch)
+        mask = _token_mask(batch)
+        _set(batch, "advantages", (row_adv.float()[:, None] * mask).float())
+        if not (isinstance(batch, Mapping) and batch.get("token_turn") is not None):
+            _set(batch, "turn_advantages", row_adv.float())
         return {}
+
+    def _charge_penalties(self, batch: Mapping | object) -> None:
+        penalties = _opt(batch, "turn_penalties")
+        if penalties is None:
+            return
+        token_turn = _opt(batch, "token_turn") if isinstance(batch, Mapping) else None
+        if token_turn is not None:  # [B, K] -> per token
+            per_token = torch.gather(penalties, 1, token_turn.clamp_min(0).long())
+            _set(batch, "advantages", apply_turn_penalties(_get(batch, "advantages"), per_token, token_turn >= 0))
+        else:
+            _set(batch, "advantages", apply_turn_penalties(_get(batch, "advantages"), penalties, _get(batch, "action_mask").bool()))
+        turn_adv = _opt(batch, "turn_advantages")
+        if turn_adv is not None and turn_adv.shape == penalties.shape:
+            _set(batch, "turn_advantages", turn_adv - penalties.to(turn_adv.dtype))
+
+    def token_distill_loss(
+        self, logprobs: Tensor, teacher_logprobs: Tensor | None, old_logprobs: Tensor, mask: Tensor, normalizer: float | None
+    ) -> Tensor | None:
+        """An extra loss on the sampled action tokens (SDAR, Skill-SD), already weighted; None when none."""
+        return None
 
 
 @dataclass(frozen=True)
 class AgentOPSD(Algorithm):
-    """Turn-level credit by recursive belief revision (DESIGN.md section 2)."""
+    """Turn-level credit by recursive belief revision (the paper's method)."""
 
     name: str = "agentopsd"
     mult_lambda: float = 0.5
@@ -155,58 +223,84 @@ class AgentOPSD(Algorithm):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 <= self.mult_lambda <= 1.0:
-            raise ValueError(f"algorithm.mult_lambda must be in [0, 1], got {self.mult_lambda}")
-        if not 0.0 < self.mult_band < 1.0:
-            raise ValueError(f"algorithm.mult_band must be in (0, 1), got {self.mult_band}")
+        _check_mix(self.mult_lambda, self.mult_band)
         if not 0.0 <= self.gap_decay_gamma <= 1.0:
             raise ValueError(f"algorithm.gap_decay_gamma must be in [0, 1], got {self.gap_decay_gamma}")
         if self.mode not in MODES:
             raise ValueError(f"algorithm.mode must be one of {MODES}, got {self.mode!r}")
 
-    def assign(self, batch: Mapping | object) -> dict[str, Tensor]:
+    def _multipliers(self, seq_adv: Tensor, gaps: Tensor, mask: Tensor, batch: Mapping | object) -> tuple[Tensor, Tensor, Tensor]:
+        prior = group_success_rate(_get(batch, "success"), _get(batch, "group_ids"))
+        return turn_multipliers(seq_adv, gaps, mask, prior, gamma=self.gap_decay_gamma, band=self.mult_band, mode=self.mode)
+
+    def credit(self, batch: Mapping | object, step: int) -> dict[str, Tensor]:
         if self.token_level:
-            return self._assign_tokens(batch)
+            return self._credit_tokens(batch)
         view = turn_view(batch)
         seq_adv = _get(batch, "seq_advantages")
-        prior = group_success_rate(_get(batch, "success"), _get(batch, "group_ids"))
-        beliefs, revisions, w = turn_multipliers(
-            seq_adv, view.gaps, view.mask, prior, gamma=self.gap_decay_gamma, band=self.mult_band, mode=self.mode
-        )
-        lam = self.mult_lambda
-        turn_adv = torch.where(view.mask, seq_adv.to(w.dtype)[:, None] * ((1 - lam) + lam * w), torch.zeros((), dtype=w.dtype, device=w.device))
-        like = _get(batch, "teacher_logprobs")
-        action_mask = None if view.token_turn is not None else _get(batch, "action_mask")
-        adv, turn_out = _spread(view, turn_adv, like, action_mask)
-        _set(batch, "advantages", adv)
-        _set(batch, "turn_advantages", turn_out)
+        # turn_multipliers + mix_advantages: the two tested halves of credit.reshape_advantages
+        beliefs, revisions, w = self._multipliers(seq_adv, view.gaps, view.mask, batch)
+        _write_turns(batch, view, mix_advantages(seq_adv, w, self.mult_lambda))
         credit = {"beliefs": beliefs, "revisions": revisions, "multipliers": w, "evidence": view.gaps, "turn_mask": view.mask}
         _set(batch, "credit", credit)
         return credit
 
-    def _assign_tokens(self, batch: Mapping | object) -> dict[str, Tensor]:
-        """Per-token accumulation: the trajectory's action tokens in order form the K axis."""
-        mask = _get(batch, "action_mask").bool()
-        traj = _get(batch, "turn_traj").long()
+    def _credit_tokens(self, batch: Mapping | object) -> dict[str, Tensor]:
+        """Per-token accumulation (the paper's ablation, 85.9 against 89.1 on 7B ALFWorld).
+
+        The reading implemented: the whole method with K = the trajectory's action tokens in
+        generation order across all its turns. One accumulator runs through the trajectory
+        (``c_t = gamma c_{t-1} + delta_t``, so gamma decays per token and is not reset at turn
+        boundaries), the prior is the same group success rate, ``q`` is standardised over all of
+        the trajectory's tokens, and each token gets its own multiplier. Not implemented: the
+        public code's ``granularity=token``, which runs the recursion inside each turn on its own
+        (a fresh accumulator from the prior, and the standardisation, per turn row).
+
+        Rows of different trajectories may come in any order, but the rows of one trajectory
+        must come in turn order: its token sequence is read row by row, and a row out of turn
+        order would feed tokens to the accumulator out of order, so it raises instead.
+        """
         seq_adv = _get(batch, "seq_advantages")
-        delta = (_get(batch, "teacher_logprobs").float() - _get(batch, "student_logprobs").float())[mask]
-        token_traj = traj[:, None].expand_as(mask)[mask]
-        # position of each token within its trajectory: rows are ordered by (trajectory, turn)
-        order = torch.arange(token_traj.numel(), device=mask.device)
-        starts = torch.zeros(seq_adv.shape[0], dtype=torch.long, device=mask.device)
+        token_turn = _opt(batch, "token_turn") if isinstance(batch, Mapping) else None
+        if token_turn is not None:  # one row per trajectory
+            mask = token_turn >= 0
+            traj = torch.arange(mask.shape[0], device=mask.device)
+            turn = torch.zeros_like(traj)
+            later = torch.cummax(torch.where(mask, token_turn, torch.full_like(token_turn, -1)), dim=1).values
+            if bool((mask & (token_turn < later)).any()):
+                raise ValueError("per-token accumulation reads a row's action tokens left to right: token_turn must not decrease along a row")
+        else:
+            mask = _get(batch, "action_mask").bool()
+            traj, turn = _get(batch, "turn_traj").long(), _get(batch, "turn_index").long()
+        order = torch.argsort(traj, stable=True)  # trajectories contiguous, each one's rows in batch order
+        t_sorted, k_sorted = traj[order], turn[order]
+        bad = (t_sorted[1:] == t_sorted[:-1]) & (k_sorted[1:] <= k_sorted[:-1])
+        if bool(bad.any()):
+            i = int(t_sorted[1:][bad][0])
+            raise ValueError(
+                f"per-token accumulation: the rows of trajectory {i} are not in turn order (turn_index "
+                f"{turn[traj == i].tolist()}); sort the batch's rows by (turn_traj, turn_index)"
+            )
+        delta_rows = (_get(batch, "teacher_logprobs").float() - _get(batch, "student_logprobs").float())[order]
+        mask_sorted = mask[order]
+        delta = delta_rows[mask_sorted]  # row-major: trajectory, then turn, then position
+        token_traj = t_sorted[:, None].expand_as(mask_sorted)[mask_sorted]
         counts = torch.bincount(token_traj, minlength=seq_adv.shape[0])
-        starts[1:] = torch.cumsum(counts, 0)[:-1]
-        pos = order - starts[token_traj]
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.arange(token_traj.numel(), device=mask.device) - starts[token_traj]
         gaps, tmask = pack_turns(delta, token_traj, pos, num_trajectories=seq_adv.shape[0])
-        prior = group_success_rate(_get(batch, "success"), _get(batch, "group_ids"))
-        beliefs, revisions, w = turn_multipliers(seq_adv, gaps, tmask, prior, gamma=self.gap_decay_gamma, band=self.mult_band, mode=self.mode)
-        lam = self.mult_lambda
-        tok_adv = seq_adv.to(w.dtype)[:, None] * ((1 - lam) + lam * w)
-        adv = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        adv[mask] = unpack_turns(tok_adv, token_traj, pos).float()
+        beliefs, revisions, w = self._multipliers(seq_adv, gaps, tmask, batch)
+        tok_adv = mix_advantages(seq_adv, w, self.mult_lambda)
+        sorted_adv = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        sorted_adv[mask_sorted] = unpack_turns(tok_adv, token_traj, pos).float()
+        adv = torch.empty_like(sorted_adv)
+        adv[order] = sorted_adv
         _set(batch, "advantages", adv)
-        _set(batch, "turn_advantages", seq_adv[traj].float())
-        credit = {"beliefs": beliefs, "revisions": revisions, "multipliers": w, "evidence": gaps, "turn_mask": tmask}
+        if token_turn is None:
+            _set(batch, "turn_advantages", seq_adv[traj].float())
+        # token_level: these [B, tokens] records are not per turn (the rollout shards skip them)
+        credit = {"beliefs": beliefs, "revisions": revisions, "multipliers": w, "evidence": gaps, "turn_mask": tmask,
+                  "token_level": torch.tensor(True)}
         _set(batch, "credit", credit)
         return credit
 
@@ -217,53 +311,154 @@ class RLSD(Algorithm):
 
     name: str = "rlsd"
     mult_lambda: float = 0.5
+    """lam at iteration 0 (the public runs: rlsd_lambda=0.5)."""
     mult_band: float = 0.2
+    """b: the token multiplier stays in [1-b, 1+b] (the public runs: clip_eps=0.2)."""
+    lambda_warmdown_steps: int = 0
+    """Decay lam linearly to 0 over this many iterations (0 = constant; the public runs: 100)."""
     needs_teacher = True
 
-    def assign(self, batch: Mapping | object) -> dict[str, Tensor]:
-        mask = _get(batch, "action_mask").bool()
-        seq_adv = _get(batch, "seq_advantages")
-        traj = _get(batch, "turn_traj").long()
-        rows_adv = seq_adv[traj]
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_mix(self.mult_lambda, self.mult_band)
+        if self.lambda_warmdown_steps < 0:
+            raise ValueError(f"algorithm.lambda_warmdown_steps must be >= 0 (0 = constant lambda), got {self.lambda_warmdown_steps}")
+
+    def lambda_at(self, step: int) -> float:
+        return lambda_at(self.mult_lambda, step, self.lambda_warmdown_steps)
+
+    def credit(self, batch: Mapping | object, step: int) -> dict[str, Tensor]:
+        row_adv = _row_advantages(batch)
         adv = rlsd_token_advantages(
-            rows_adv, _get(batch, "teacher_logprobs"), _get(batch, "student_logprobs"), mask, lam=self.mult_lambda, band=self.mult_band
+            row_adv, _get(batch, "teacher_logprobs"), _get(batch, "student_logprobs"), _token_mask(batch),
+            lam=self.lambda_at(step), band=self.mult_band,
         )
         _set(batch, "advantages", adv.float())
-        _set(batch, "turn_advantages", rows_adv.float())
+        if not (isinstance(batch, Mapping) and batch.get("token_turn") is not None):
+            _set(batch, "turn_advantages", row_adv.float())
         return {}
 
 
 @dataclass(frozen=True)
 class StepOPSD(Algorithm):
-    """Turn-level, locally scored: ``w_k = clip(exp(sign(A) * mean_t delta_{k,t}), 1-b, 1+b)``.
-
-    Each turn is judged on its own gap (no accumulated belief, no prior), the contrast the
-    paper draws with AgentOPSD.
-    """
+    """Turn-level, locally scored: ``w_k = clip(exp(sign(A) * mean_t delta_{k,t}), 1-b, 1+b)`` (baseline)."""
 
     name: str = "stepopsd"
     mult_lambda: float = 0.5
     mult_band: float = 0.2
     needs_teacher = True
 
-    def assign(self, batch: Mapping | object) -> dict[str, Tensor]:
-        mask = _get(batch, "action_mask").bool()
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_mix(self.mult_lambda, self.mult_band)
+
+    def credit(self, batch: Mapping | object, step: int) -> dict[str, Tensor]:
+        view = turn_view(batch)
         seq_adv = _get(batch, "seq_advantages")
-        traj = _get(batch, "turn_traj").long()
-        delta = (_get(batch, "teacher_logprobs").float() - _get(batch, "student_logprobs").float()) * mask
-        mean_gap = delta.sum(1) / mask.sum(1).clamp_min(1)
-        rows_adv = seq_adv[traj].float()
-        w = torch.exp((torch.sign(rows_adv) * mean_gap).clamp(-30, 30)).clamp(1 - self.mult_band, 1 + self.mult_band)
-        _write_rows(batch, rows_adv * ((1 - self.mult_lambda) + self.mult_lambda * w), mask)
+        w = stepopsd_multipliers(seq_adv, view.gaps / view.counts.clamp_min(1), view.mask, band=self.mult_band)
+        _write_turns(batch, view, mix_advantages(seq_adv, w, self.mult_lambda))
         return {}
 
 
 @dataclass(frozen=True)
+class GiGPO(Algorithm):
+    """Episode-level GRPO advantage plus a step-level advantage from anchor states (no teacher view).
+
+    Turns of one task group that acted on the identical observation text form a step group; each
+    turn's discounted return ``gamma^(K-1-k) R`` is normalised within its step group, and
+    ``A_k = A_episode + omega * A_step_k`` (GiGPO, Eq. 3-8).
+    """
+
+    name: str = "gigpo"
+    gamma: float = 0.95
+    """Discount of the step returns (GiGPO's setting, and the public runs' algorithm.gamma)."""
+    step_weight: float = 1.0
+    """omega, the weight of the step-level advantage (GiGPO's step_advantage_w)."""
+    norm: str = "mean_std"
+    """``mean_std``: (R - mean) / (std + eps) at both levels, as GRPO; ``mean``: R - mean (the public runs' mean_norm)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"algorithm.gamma must be in [0, 1], got {self.gamma}")
+        if self.step_weight < 0:
+            raise ValueError(f"algorithm.step_weight must be >= 0, got {self.step_weight}")
+        if self.norm not in GIGPO_NORMS:
+            raise ValueError(f"algorithm.norm must be one of {GIGPO_NORMS}, got {self.norm!r}")
+
+    def credit(self, batch: Mapping | object, step: int) -> dict[str, Tensor]:
+        if isinstance(batch, Mapping) and batch.get("token_turn") is not None:
+            raise ValueError("GiGPO needs each turn's environment state: give the row layout with turn_state ([M] state ids)")
+        view = turn_view(batch, with_gaps=False)
+        rewards, group_ids = _get(batch, "rewards"), _get(batch, "group_ids")
+        by_std = self.norm == "mean_std"
+        # mean_std: the batch's own GRPO advantage, computed once from the same outcome rewards
+        episode = _get(batch, "seq_advantages") if by_std else grpo_advantages(rewards, group_ids, scale_by_std=False)
+        traj, index = view.rows
+        states, _ = pack_turns(_get(batch, "turn_state").long(), traj, index, num_trajectories=view.mask.shape[0], fill=-1)
+        groups = anchor_state_groups(group_ids, states, view.mask)
+        returns = discounted_turn_returns(rewards, view.mask, self.gamma)
+        total, step_adv = gigpo_advantages(episode, returns, groups, view.mask, omega=self.step_weight, scale_by_std=by_std)
+        _write_turns(batch, view, total)
+        # returned for the credit/ statistics only: batch.credit holds the belief records AgentOPSD logs per turn
+        return {"step_advantages": step_adv, "step_groups": groups, "turn_mask": view.mask}
+
+
+@dataclass(frozen=True)
 class GRPOOPSD(Algorithm):
-    """GRPO plus a token-level distillation loss toward the detached teacher view."""
+    """GRPO plus a token-level distillation loss KL(teacher || student) over the vocabulary."""
 
     name: str = "grpo_opsd"
-    distill_coef: float = 0.1
-    """Weight of KL(teacher || student) on the action tokens."""
+    distill_coef: float = 0.01
+    """Weight of KL(teacher || student) on the action tokens (the public runs' coefficient, 0.01)."""
     needs_teacher = True
     needs_teacher_logits = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.distill_coef < 0:
+            raise ValueError(f"algorithm.distill_coef must be >= 0, got {self.distill_coef}")
+
+
+@dataclass(frozen=True)
+class SDAR(Algorithm):
+    """GRPO plus confidence-gated distillation: ``mean_t g_t (log pi_T - log pi_S)``, ``g_t = sigmoid(beta delta_t)``."""
+
+    name: str = "sdar"
+    distill_coef: float = 0.01
+    """Weight of the gated distillation term (the public runs: sdar_coef=0.01)."""
+    gate_beta: float = 5.0
+    """beta, the sharpness of the gate (the public runs: gate_beta=5.0; 0 gives a constant gate of 0.5)."""
+    needs_teacher = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.distill_coef < 0 or self.gate_beta < 0:
+            raise ValueError(f"algorithm.distill_coef and gate_beta must be >= 0, got {self.distill_coef}, {self.gate_beta}")
+
+    def token_distill_loss(self, logprobs, teacher_logprobs, old_logprobs, mask, normalizer):
+        if teacher_logprobs is None:
+            raise ValueError("SDAR needs the teacher view's log-probs (batch.teacher_logprobs)")
+        loss = sdar_loss(logprobs, teacher_logprobs, mask, beta=self.gate_beta, aggregation=self.aggregation, normalizer=normalizer)
+        return self.distill_coef * loss
+
+
+@dataclass(frozen=True)
+class SkillSD(Algorithm):
+    """GRPO plus Skill-SD's self-distillation loss ``mean_t rho_t k3_t`` toward the detached teacher view."""
+
+    name: str = "skill_sd"
+    distill_coef: float = 0.001
+    """Weight of the self-distillation term (the public runs: sdl_lambda=0.001)."""
+    needs_teacher = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.distill_coef < 0:
+            raise ValueError(f"algorithm.distill_coef must be >= 0, got {self.distill_coef}")
+
+    def token_distill_loss(self, logprobs, teacher_logprobs, old_logprobs, mask, normalizer):
+        if teacher_logprobs is None:
+            raise ValueError("Skill-SD needs the teacher view's log-probs (batch.teacher_logprobs)")
+        loss = skill_sd_loss(logprobs, teacher_logprobs, old_logprobs, mask, aggregation=self.aggregation, normalizer=normalizer)
+        return self.distill_coef * loss

@@ -20,7 +20,11 @@ class EnvConfig:
     max_turns: int = 50
     """Turn limit of an episode (the paper: 50 ALFWorld, 15 WebShop, 4 Search)."""
     invalid_penalty: float = 0.1
-    """Reward subtracted per turn whose output did not parse or whose action was invalid."""
+    """Subtracted from the advantage of each turn whose output did not parse or whose action was
+    invalid, on that turn's tokens only (0 = off). Never part of the outcome reward."""
+    reward: str = "success"
+    """The outcome reward R behind A_seq: ``success`` (the success bit, the paper's) or ``score``
+    (the environment's graded score, e.g. WebShop's; logged as rollout/score either way)."""
     output_format: str = "action"
     """``action``, ``think_action`` or ``search_r1`` (see agentopsd.prompts.FORMATS)."""
     history_window: int = 2
@@ -39,6 +43,8 @@ class EnvConfig:
             raise ValueError(f"env.max_turns must be >= 1, got {self.max_turns}")
         if self.invalid_penalty < 0:
             raise ValueError(f"env.invalid_penalty must be >= 0, got {self.invalid_penalty}")
+        if self.reward not in ("success", "score"):
+            raise ValueError(f"env.reward must be 'success' (the paper's success bit) or 'score', got {self.reward!r}")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Pure torch: tensors in, tensors out, no Lightning, no config objects. Every func
 vectorized over the batch (no Python loop over trajectories) and works on any device.
 Half-precision inputs are computed in float32; float64 inputs stay float64.
 
-Notation (DESIGN.md section 2, the paper's section 3):
+Notation (the paper's section 3):
     B trajectories, K turns (right-padded, ``turn_mask`` True on a prefix of each row),
     T tokens. ``e_k`` turn evidence, ``l0`` prior logit, ``c_k`` evidence accumulator,
     ``B_k`` belief, ``dB_k`` revision, ``w_k`` bounded multiplier, ``At_k`` turn advantage.
@@ -17,13 +17,20 @@ from torch import Tensor
 
 __all__ = [
     "MODES",
+    "anchor_state_groups",
+    "apply_turn_penalties",
     "belief_revisions",
     "decayed_cumsum",
+    "discounted_turn_returns",
+    "gigpo_advantages",
     "group_success_rate",
     "grpo_advantages",
+    "lambda_at",
+    "mix_advantages",
     "pack_turns",
     "reshape_advantages",
     "rlsd_token_advantages",
+    "stepopsd_multipliers",
     "turn_evidence",
     "turn_multipliers",
     "unpack_turns",
@@ -57,12 +64,13 @@ def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
     return inverse, uniq.numel()
 
 
-def grpo_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6, *, scale_by_std: bool = True) -> Tensor:
     """GRPO sequence advantages ``A_i = (R_i - mean_g R) / (std_g R + eps)``. Shapes ``[N] -> [N]``.
 
     ``std_g`` is the unbiased (Bessel-corrected) sample std of the group, as in the GRPO
     reference implementations. A group whose rewards are all equal gets 0 for every member,
     and so does a group of one (its std is undefined; it carries no relative signal).
+    ``scale_by_std=False`` keeps only the centring, ``R_i - mean_g R`` (GiGPO's ``mean_norm``).
     """
     if rewards.ndim != 1 or group_ids.shape != rewards.shape:
         raise ValueError(f"rewards and group_ids must be 1-D of one length, got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
@@ -74,6 +82,8 @@ def grpo_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Te
     centered = r - mean[idx]
     sq = torch.zeros(g, dtype=dtype, device=r.device).index_add_(0, idx, centered * centered)
     std = torch.sqrt(sq / (count - 1).clamp_min(1))
+    if not scale_by_std:
+        return torch.where(count[idx] > 1, centered, torch.zeros_like(centered))
     # an all-equal group has centered == 0 and std == 0: 0, not 0/0, even with eps = 0
     adv = torch.where(centered == 0, torch.zeros_like(centered), centered / (std[idx] + eps))
     return torch.where(count[idx] > 1, adv, torch.zeros_like(adv))
@@ -255,8 +265,7 @@ def reshape_advantages(
     """
     _check_range("lam", lam, 0.0, 1.0)
     _, _, w = turn_multipliers(seq_advantages, turn_gaps, turn_mask, success_prior, gamma=gamma, band=band, mode=mode)
-    adv = seq_advantages.detach().to(w.dtype)
-    turn_adv = adv[:, None] * ((1 - lam) + lam * w)  # step 10
+    turn_adv = mix_advantages(seq_advantages, w, lam)  # step 10
     return torch.where(turn_mask, turn_adv, torch.zeros((), dtype=w.dtype, device=w.device))
 
 
@@ -284,8 +293,120 @@ def rlsd_token_advantages(
     delta = teacher_logprobs.detach().to(dtype) - student_logprobs.detach().to(dtype)
     # the band clips anyway; clamping the exponent first keeps exp finite for any gap
     w = torch.exp((torch.sign(adv)[:, None] * delta).clamp(-30.0, 30.0)).clamp(1 - band, 1 + band)
-    out = adv[:, None] * ((1 - lam) + lam * w)
+    out = mix_advantages(adv, w, lam)
     return torch.where(token_mask.bool(), out, torch.zeros((), dtype=dtype, device=adv.device))
+
+
+def stepopsd_multipliers(seq_advantages: Tensor, turn_mean_gaps: Tensor, turn_mask: Tensor, *, band: float = 0.2) -> Tensor:
+    """StepOPSD baseline: ``w_k = clip(exp(sign(A) * mean_t delta_{k,t}), 1-b, 1+b)``. ``[B], [B,K], [B,K] -> [B,K]``.
+
+    Each turn is scored by its own mean gap: no accumulator, no prior (the contrast the paper
+    draws with AgentOPSD). 1 on padded turns; mix with :func:`mix_advantages`.
+    """
+    _check_band(band)
+    if turn_mean_gaps.ndim != 2 or turn_mask.shape != turn_mean_gaps.shape:
+        raise ValueError(f"turn_mean_gaps and turn_mask must share one [B, K] shape, got {tuple(turn_mean_gaps.shape)} and {tuple(turn_mask.shape)}")
+    if seq_advantages.shape != turn_mean_gaps.shape[:1]:
+        raise ValueError(f"seq_advantages must be [B]={turn_mean_gaps.shape[0]}, got {tuple(seq_advantages.shape)}")
+    dtype = _compute_dtype(seq_advantages, turn_mean_gaps)
+    sign = torch.sign(seq_advantages.detach().to(dtype))[:, None]
+    w = torch.exp((sign * turn_mean_gaps.detach().to(dtype)).clamp(-30.0, 30.0)).clamp(1 - band, 1 + band)
+    return torch.where(turn_mask, w, torch.ones((), dtype=dtype, device=w.device))
+
+
+def mix_advantages(seq_advantages: Tensor, multipliers: Tensor, lam: float) -> Tensor:
+    """Step 10, the one mixing rule of every multiplier method: ``A * ((1 - lam) + lam * w)``.
+
+    ``seq_advantages`` ``[B]``, ``multipliers`` ``[B, ...]`` (per turn or per token) -> the shape of
+    ``multipliers``. AgentOPSD (and its ablations), RLSD and StepOPSD all mix through here, so the
+    rule the spec tests check is the rule the trainer runs. lam = 0 returns A exactly; with
+    w in [1-b, 1+b] the sign of A is kept; A = 0 gives 0.
+    """
+    _check_range("lam", lam, 0.0, 1.0)
+    if multipliers.shape[:1] != seq_advantages.shape:
+        raise ValueError(f"multipliers must be [B={seq_advantages.shape[0]}, ...], got {tuple(multipliers.shape)}")
+    adv = seq_advantages.detach().to(multipliers.dtype).reshape(-1, *([1] * (multipliers.ndim - 1)))
+    return adv * ((1 - lam) + lam * multipliers)
+
+
+def lambda_at(lam: float, step: int, warmdown_steps: int = 0) -> float:
+    """lam at training iteration ``step``: constant when ``warmdown_steps`` is 0, else decayed linearly
+    to 0 over ``warmdown_steps`` iterations (RLSD's public runs: 100), after which the method is GRPO."""
+    _check_range("lam", lam, 0.0, 1.0)
+    if warmdown_steps < 0 or step < 0:
+        raise ValueError(f"warmdown_steps and step must be >= 0, got {warmdown_steps} and {step}")
+    return lam if warmdown_steps == 0 else lam * max(0.0, 1.0 - step / warmdown_steps)
+
+
+def discounted_turn_returns(outcome: Tensor, turn_mask: Tensor, gamma: float = 0.95) -> Tensor:
+    """Each turn's discounted return when the only reward is the outcome after the last turn (GiGPO Eq. 5).
+
+    ``R_k = gamma^(K_i - 1 - k) * R_i``. ``[B], [B,K] -> [B,K]``, 0 on padded turns.
+    """
+    _check_range("gamma", gamma, 0.0, 1.0)
+    if turn_mask.ndim != 2 or outcome.shape != turn_mask.shape[:1]:
+        raise ValueError(f"outcome must be [B] and turn_mask [B, K], got {tuple(outcome.shape)} and {tuple(turn_mask.shape)}")
+    dtype = _compute_dtype(outcome)
+    steps_left = turn_mask.sum(1, keepdim=True) - 1 - torch.arange(turn_mask.shape[1], device=turn_mask.device)[None]
+    discount = torch.full((), gamma, dtype=dtype, device=turn_mask.device) ** steps_left.clamp_min(0).to(dtype)
+    return torch.where(turn_mask, discount * outcome.detach().to(dtype)[:, None], torch.zeros((), dtype=dtype, device=turn_mask.device))
+
+
+def anchor_state_groups(group_ids: Tensor, turn_states: Tensor, turn_mask: Tensor) -> Tensor:
+    """GiGPO's step groups (Eq. 6): turns of one episode group whose environment state is identical.
+
+    ``group_ids`` ``[B]``, ``turn_states`` ``[B,K]`` (an integer id per distinct state text) ->
+    ``[B,K]`` step-group ids, -1 on padded turns.
+    """
+    if turn_states.shape != turn_mask.shape or group_ids.shape != turn_states.shape[:1]:
+        raise ValueError("group_ids must be [B] and turn_states, turn_mask one [B, K] shape")
+    pairs = torch.stack([group_ids[:, None].expand_as(turn_states)[turn_mask], turn_states[turn_mask]], dim=1)
+    out = torch.full(turn_states.shape, -1, dtype=torch.long, device=turn_states.device)
+    if pairs.numel():
+        out[turn_mask] = torch.unique(pairs, dim=0, return_inverse=True)[1]
+    return out
+
+
+def gigpo_advantages(
+    episode_advantages: Tensor,
+    turn_returns: Tensor,
+    step_groups: Tensor,
+    turn_mask: Tensor,
+    *,
+    omega: float = 1.0,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """GiGPO (Eq. 7-8): ``A_k = A_episode + omega * A_step_k``, returns ``(A, A_step)``, both ``[B,K]``.
+
+    ``A_step_k`` normalises the turn's discounted return within its step group exactly as GRPO
+    normalises rewards within a task group (:func:`grpo_advantages`): a state that only one
+    turn reached gets 0, so does a step group whose returns are all equal. 0 on padded turns.
+    """
+    if turn_returns.shape != turn_mask.shape or step_groups.shape != turn_mask.shape:
+        raise ValueError("turn_returns, step_groups and turn_mask must share one [B, K] shape")
+    if episode_advantages.shape != turn_mask.shape[:1]:
+        raise ValueError(f"episode_advantages must be [B]={turn_mask.shape[0]}, got {tuple(episode_advantages.shape)}")
+    dtype = _compute_dtype(episode_advantages, turn_returns)
+    step = torch.zeros(turn_mask.shape, dtype=dtype, device=turn_mask.device)
+    step[turn_mask] = grpo_advantages(turn_returns[turn_mask].to(dtype), step_groups[turn_mask], eps, scale_by_std=scale_by_std)
+    total = episode_advantages.detach().to(dtype)[:, None] + omega * step
+    return torch.where(turn_mask, total, torch.zeros((), dtype=dtype, device=total.device)), step
+
+
+def apply_turn_penalties(advantages: Tensor, penalties: Tensor, token_mask: Tensor) -> Tensor:
+    """Charge each shaping penalty to the tokens of the turn that earned it: ``A_t - p`` there, A elsewhere.
+
+    ``advantages`` ``[N,L]``; ``penalties`` ``[N]`` (one per turn row) or ``[N,L]`` (per token);
+    ``token_mask`` ``[N,L]``. A penalty never touches another turn, and a group whose copies all
+    succeeded (or all failed) stays at A = 0 except on the offending turns.
+    """
+    if token_mask.shape != advantages.shape:
+        raise ValueError(f"token_mask must match advantages {tuple(advantages.shape)}, got {tuple(token_mask.shape)}")
+    pen = penalties[:, None] if penalties.ndim == 1 else penalties
+    if pen.shape[0] != advantages.shape[0]:
+        raise ValueError(f"penalties must have {advantages.shape[0]} rows, got {tuple(penalties.shape)}")
+    return advantages - pen.detach().to(advantages.dtype) * token_mask.to(advantages.dtype)
 
 
 def pack_turns(

@@ -149,7 +149,9 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Rol
         t_attention[r, : tp + a] = 1
         t_action[r, tp : tp + a] = True
     success = torch.tensor([float(t.success) for t in kept])
-    rewards = torch.tensor([t.total_reward for t in kept], dtype=torch.float32)
+    # the outcome reward alone drives A_seq; shaping penalties stay on their own turns (turn_penalties)
+    rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)
+    state_ids: dict[str, int] = {}
     group_ids = torch.tensor([t.task.group_id for t in kept], dtype=torch.long)
     return RolloutBatch(
         input_ids=input_ids,
@@ -162,6 +164,8 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Rol
         turn_traj=torch.tensor([i for i, _ in rows], dtype=torch.long),
         turn_index=torch.tensor([t.index for _, t in rows], dtype=torch.long),
         turn_valid=torch.tensor([t.valid for _, t in rows], dtype=torch.bool),
+        turn_penalties=torch.tensor([t.penalty for _, t in rows], dtype=torch.float32),
+        turn_state=torch.tensor([state_ids.setdefault(t.state, len(state_ids)) for _, t in rows], dtype=torch.long),
         success=success,
         rewards=rewards,
         group_ids=group_ids,

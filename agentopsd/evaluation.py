@@ -43,4 +43,6 @@ def evaluate_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, float
     }
     out.update({f"eval/success/type/{k}": float(m.compute()) for k, m in sorted(by_type.items())})
     out.update({f"eval/success/horizon/{k}": float(m.compute()) for k, m in sorted(by_horizon.items())})
+    # episodes per bucket: a rate over 2 episodes and one over 60 are not the same evidence
+    out.update({f"eval/episodes/horizon/{k}": float(m.update_count) for k, m in sorted(by_horizon.items())})
     return out

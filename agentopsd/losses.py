@@ -128,6 +128,59 @@ def distillation_loss(
     return aggregate(per_token, mask, aggregation, normalizer)
 
 
+def sdar_loss(
+    logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    beta: float = 5.0,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> Tensor:
+    """SDAR's confidence-gated distillation on the sampled action tokens: ``agg_t g_t (log pi_T - log pi_S)``.
+
+    ``delta_t = log pi_T - log pi_S``, gate ``g_t = sigmoid(beta * delta_t)``, detached: tokens the
+    teacher view is surer of pull the student harder. The gradient flows through ``log pi_S``
+    only (``-g_t`` per token). ``[N,T]`` inputs; teacher detached.
+    """
+    if logprobs.shape != teacher_logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError("logprobs, teacher_logprobs and mask must share one [N, T] shape")
+    teacher = teacher_logprobs.detach().to(logprobs.dtype)
+    gate = torch.sigmoid(beta * (teacher - logprobs.detach()))
+    return aggregate(gate * (teacher - logprobs), mask, aggregation, normalizer)
+
+
+def skill_sd_loss(
+    logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    old_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    aggregation: str = "token-mean",
+    normalizer: float | None = None,
+) -> Tensor:
+    """Skill-SD's self-distillation loss on the sampled action tokens: ``agg_t rho_t k3_t``.
+
+    ``l_t = log pi_S - log pi_T``, ``k3_t = exp(-l_t) - 1 + l_t`` (>= 0, a sampled estimate of
+    KL(student || teacher)), ``rho_t = exp(min(log pi_S - log pi_old, 10))`` the importance ratio to
+    the behaviour policy. Gradients flow through ``log pi_S`` in both factors, as in the public
+    code; the teacher and the behaviour log-probs are detached. The exponent of k3 is clamped at
+    20 and that of rho at 10, so one wild token cannot overflow the loss.
+    """
+    if not logprobs.shape == teacher_logprobs.shape == old_logprobs.shape == mask.shape:
+        raise ValueError("logprobs, teacher_logprobs, old_logprobs and mask must share one [N, T] shape")
+    gap = logprobs - teacher_logprobs.detach().to(logprobs.dtype)
+    k3 = torch.exp((-gap).clamp(max=20.0)) - 1.0 + gap
+    rho = torch.exp((logprobs - old_logprobs.detach().to(logprobs.dtype)).clamp(max=10.0))
+    return aggregate(rho * k3, mask, aggregation, normalizer)
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    """Entropy of the next-token distribution at each position, ``[..., V] -> [...]`` in float32."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
 def token_logprobs(logits: Tensor, targets: Tensor) -> Tensor:
     """``log softmax(logits)[targets]`` in float32 without materializing the full log-softmax twice.
 

@@ -24,12 +24,19 @@ from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import all_max, is_distributed, rank_and_world, shard_groups
 from agentopsd.evaluation import evaluate_trajectories
-from agentopsd.losses import clipped_policy_loss, distillation_loss, token_logprobs
+from agentopsd.losses import aggregate, clipped_policy_loss, distillation_loss, token_entropy, token_logprobs
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.scoring import SCORING_HEAD_POSITIONS, SCORING_ROWS_TOKENS, hidden_at, token_slices
+from agentopsd.scoring import (
+    SCORING_HEAD_POSITIONS,
+    SCORING_ROWS_TOKENS,
+    checkpointing,
+    hidden_at,
+    sharing_order,
+    token_slices,
+)
 from agentopsd.skills import SkillBank
 from agentopsd.types import RolloutBatch, TaskSpec
 
@@ -202,6 +209,7 @@ class AgentRLModule(L.LightningModule):
                 env_kwargs=self.env_cfg.kwargs,
                 max_turns=self.env_cfg.max_turns,
                 invalid_penalty=self.env_cfg.invalid_penalty,
+                reward=self.env_cfg.reward,
                 skill_bank=self.skill_bank,
                 num_threads=self.env_cfg.num_threads,
                 env_wrappers=wrappers,
@@ -261,7 +269,8 @@ class AgentRLModule(L.LightningModule):
         return {
             "rollout/success": sum(t.success for t in trajectories) / n,
             "rollout/score": sum(t.score for t in trajectories) / n,
-            "rollout/reward": sum(t.total_reward for t in trajectories) / n,
+            "rollout/reward": sum(t.reward for t in trajectories) / n,
+            "rollout/penalty": sum(t.total_penalty for t in trajectories) / n,
             "rollout/turns": sum(len(t.turns) for t in trajectories) / n,
             "rollout/format_errors": float(s.format_errors),
             "rollout/invalid_actions": float(s.invalid_actions),
@@ -270,6 +279,7 @@ class AgentRLModule(L.LightningModule):
             "perf/rollout_tokens_per_s": s.generated_tokens / max(s.generate_seconds, 1e-9),
             "perf/env_seconds": s.env_seconds,
             "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
+            "rollout/skill_trimmed": float(collector.prompts.stats.get("skill_trimmed", 0)),
         }
 
     # ------------------------------------------------------------------ scoring
@@ -294,7 +304,11 @@ class AgentRLModule(L.LightningModule):
         model = self.model if model is None else model
         decoder, head = self._decoder_and_head(model)
         if decoder is not None:
-            logits = head(decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source])
+            # with gradient too, a prompt prefix shared by several rows (the G copies of a task) runs once:
+            # in a 64-row single-turn batch that is 3x fewer tokens through forward and backward
+            hidden = (decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source] if checkpointing(decoder)
+                      else hidden_at(decoder, ids, attn, source))
+            logits = head(hidden)
         else:
             logits = model(input_ids=ids, attention_mask=attn).logits[source]
         return logits, ids[amask]
@@ -372,7 +386,9 @@ class AgentRLModule(L.LightningModule):
         metrics, loss = self.update(batch, batch_idx)
         self.iterations_done = self.iteration + 1
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
-        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=batch.num_trajectories)
+        # "step": the loggers' x axis is completed iterations (not optimizer steps), as in the evaluation rows
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)}, on_step=True,
+                      batch_size=batch.num_trajectories)
         # the rich progress bar shows the rollout: success and turns per episode
         self.log_dict(shown, on_step=True, prog_bar=True, batch_size=batch.num_trajectories)
         return loss
@@ -401,12 +417,17 @@ class AgentRLModule(L.LightningModule):
             for mb in torch.tensor_split(perm, cfg.num_mini_batches):
                 opt.zero_grad(set_to_none=True)
                 normalizer = max(1.0, float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb)))
-                micros = list(mb.split(cfg.micro_batch_size))
+                # rows sharing a prompt prefix side by side, so a micro-batch runs each shared prefix once
+                # (gradient accumulation: the split does not change the summed gradient)
+                micros = list(mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])].split(cfg.micro_batch_size))
                 # DDP all-reduces and FSDP reduce-scatters in every backward: pad to the ranks' maximum
                 for _ in range(all_max(len(micros)) - len(micros) if is_distributed() else 0):
                     self.manual_backward(self.action_logprobs(batch, "student", perm[:1], grad=True).sum() * 0.0)
                 for micro in micros:
-                    lp = self.action_logprobs(batch, "student", micro, grad=True)
+                    if algo.entropy_coef > 0:
+                        lp, entropy = self._logprobs_and_entropy(batch, micro)
+                    else:
+                        lp = self.action_logprobs(batch, "student", micro, grad=True)
                     mask = batch.action_mask[micro]
                     loss, st = clipped_policy_loss(
                         lp, batch.old_logprobs[micro], batch.advantages[micro], mask,
@@ -417,6 +438,15 @@ class AgentRLModule(L.LightningModule):
                         loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
                     if first:
                         ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
+                    teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[micro]
+                    extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[micro], mask, normalizer)
+                    if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
+                        loss = loss + extra
+                        stats_log.setdefault("distill_loss", []).append(float(extra.detach()))
+                    if algo.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
+                        mean_entropy = aggregate(entropy, mask, algo.aggregation, normalizer)
+                        loss = loss - algo.entropy_coef * mean_entropy
+                        stats_log.setdefault("entropy", []).append(float(mean_entropy.detach()))
                         dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
                         self.first_ratio_dev = max(self.first_ratio_dev, dev) if micro is not micros[0] else dev
                     self.manual_backward(loss)
@@ -427,13 +457,25 @@ class AgentRLModule(L.LightningModule):
                 self._optimizer_step(opt, sched, stats_log)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
         metrics["loss/first_ratio_dev"] = self.first_ratio_dev
-        metrics["rollout/iteration"] = float(self.iteration)
+        metrics["rollout/iteration"] = float(self.iteration + 1)  # numbered like every log: iterations completed by this update
         metrics["loss/lr"] = float(opt.param_groups[0]["lr"])
         self.phase_seconds["update"] = time.perf_counter() - t0
         metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(self.phase_seconds["update"], 1e-9)
         metrics.update(self.rollout_metrics)
         return metrics, torch.tensor(sum(losses) / max(len(losses), 1))
+
+    def _logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Student log-probs (with gradient) and the policy's entropy at the action positions, both
+        ``[m, L]`` (0 elsewhere), from one forward: the entropy bonus needs the logits."""
+        mask = batch.action_mask[rows]
+        logits, targets = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], mask)
+        logits = logits / self.sampling.scoring_temperature
+        lp = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
+        entropy = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
+        lp[mask] = token_logprobs(logits, targets)
+        entropy[mask] = token_entropy(logits)
+        return lp, entropy
 
     def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float) -> Tensor:
         with torch.no_grad():

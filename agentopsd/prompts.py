@@ -3,7 +3,7 @@
 The student view is what the agent sees: the task, a window of recent observations and
 actions, the current observation, the admissible actions and the output format. The
 teacher view is the same context with the retrieved skill block inserted: same weights,
-a different prompt (DESIGN.md section 2, step 2).
+a different prompt, the same history window (the paper's step 2).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,17 @@ class HistoryEntry:
     action: str
 
 
+class PromptViews(NamedTuple):
+    """The two prompt views of one turn."""
+
+    student: list[int]
+    """h_k: what the policy acts on."""
+    teacher: list[int]
+    """h+_k: the same context with ``skill`` inserted (equal to ``student`` when ``skill`` is empty)."""
+    skill: str
+    """The skill block the teacher view holds: the retrieved one, or its first lines when it had to be shortened."""
+
+
 @dataclass
 class PromptBuilder:
     """Builds chat messages and token ids for both views, trimming history to fit the context."""
@@ -76,7 +88,7 @@ class PromptBuilder:
     show_admissible: bool = True
     max_admissible: int = 50
     """At most this many admissible actions are listed (ALFWorld rooms list hundreds)."""
-    stats: dict[str, int] = field(default_factory=lambda: {"history_trimmed": 0, "prompt_overflow": 0})
+    stats: dict[str, int] = field(default_factory=lambda: {"history_trimmed": 0, "prompt_overflow": 0, "skill_trimmed": 0})
 
     def __post_init__(self) -> None:
         if self.output_format not in FORMATS:
@@ -114,16 +126,14 @@ class PromptBuilder:
             ids = ids["input_ids"]
         return list(ids)
 
-    def build(
-        self, task: str, history: Sequence[HistoryEntry], observation: str, admissible: Sequence[str] | None, skill: str = ""
-    ) -> list[int]:
-        """Token ids of one view. Drops the oldest history first when over ``max_prompt_tokens``;
-        never cuts the current observation (an over-long prompt is kept and counted)."""
+    def _window(self, task: str, history: Sequence[HistoryEntry], observation: str, admissible: Sequence[str] | None) -> tuple[list[int], list]:
+        """The student view's ids and history window: the oldest history is dropped first while over
+        ``max_prompt_tokens``; the current observation is never cut (an over-long prompt is kept and counted)."""
         window = list(history)[-self.history_window :] if self.history_window else []
         while True:
-            ids = self.encode(self.user_message(task, window, observation, admissible, skill))
+            ids = self.encode(self.user_message(task, window, observation, admissible))
             if len(ids) <= self.max_prompt_tokens:
-                return ids
+                return ids, window
             if not window:
                 self.stats["prompt_overflow"] += 1
                 n = self.stats["prompt_overflow"]
@@ -132,9 +142,50 @@ class PromptBuilder:
                         "prompt of %d tokens exceeds max_prompt_tokens=%d with no history left (%d times so far); "
                         "the current observation is never cut: raise env.max_prompt_tokens", len(ids), self.max_prompt_tokens, n
                     )
-                return ids
+                return ids, window
             window = window[1:]
             self.stats["history_trimmed"] += 1
+
+    def build_views(
+        self, task: str, history: Sequence[HistoryEntry], observation: str, admissible: Sequence[str] | None, skill: str = ""
+    ) -> PromptViews:
+        """Both views of one turn, which differ by the skill block alone.
+
+        The history window is the student's (trimmed by the student's own rule), so the policy sees
+        the same prompt whether or not a teacher view is built. The teacher view is that very
+        context with the skill block inserted; when it would exceed ``max_prompt_tokens`` the skill
+        block is shortened (whole lines dropped from its end), never the history: otherwise the gap
+        would measure "less history" as well as "the skill". A student prompt that already
+        overflows leaves no room, and its teacher view gets no skill (counted in ``skill_trimmed``).
+        """
+        student, window = self._window(task, history, observation, admissible)
+        if not skill:
+            return PromptViews(student, student, "")
+        lines = skill.splitlines()
+
+        def teacher(n: int) -> list[int]:
+            return self.encode(self.user_message(task, window, observation, admissible, "\n".join(lines[:n])))
+
+        ids = teacher(len(lines))
+        if len(ids) <= self.max_prompt_tokens:
+            return PromptViews(student, ids, skill)
+        self.stats["skill_trimmed"] += 1
+        low, high = 0, len(lines) - 1  # the most lines that fit: the teacher's length grows with n
+        while low < high:
+            mid = (low + high + 1) // 2
+            if len(teacher(mid)) <= self.max_prompt_tokens:
+                low = mid
+            else:
+                high = mid - 1
+        kept = "\n".join(lines[:low])
+        return PromptViews(student, teacher(low) if kept else student, kept)
+
+    def build(
+        self, task: str, history: Sequence[HistoryEntry], observation: str, admissible: Sequence[str] | None, skill: str = ""
+    ) -> list[int]:
+        """Token ids of one view: the student's, or with ``skill`` the teacher's (see :meth:`build_views`)."""
+        views = self.build_views(task, history, observation, admissible, skill)
+        return views.teacher if skill else views.student
 
 
 def assert_no_skills(prompt_text: str, skill_lines: Sequence[str]) -> None:

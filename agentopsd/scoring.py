@@ -135,13 +135,30 @@ SCORING_CHUNK_TOKENS = 16384
 """Padded tokens (shared part plus own part, per row) of one forward over rows' own parts."""
 
 
+def sharing_order(ids: Tensor, attn: Tensor) -> Tensor:
+    """Row indices ``[B]`` in the lexicographic order of the rows' tokens (right-padded rows): rows that
+    share a prompt prefix (the G copies of a task, the turns of a task under its skill block) end
+    up next to each other, so micro-batches cut from this order hold whole sharing groups."""
+    rows = [tuple(ids[r, :n].tolist()) for r, n in enumerate(attn.sum(1).tolist())]
+    return torch.tensor(sorted(range(len(rows)), key=rows.__getitem__), dtype=torch.long, device=ids.device)
+
+
+def checkpointing(decoder: nn.Module) -> bool:
+    """True when a forward of ``decoder`` now would drop its KV cache: transformers turns the cache off
+    in layers that checkpoint activations (training mode, gradient on), and :func:`hidden_at` needs it."""
+    return decoder.training and torch.is_grad_enabled() and any(getattr(m, "gradient_checkpointing", False) is True
+                                                                  for m in decoder.modules())
+
+
 def hidden_at(
     decoder: nn.Module, ids: Tensor, attn: Tensor, source: Tensor,
     min_shared: int = MIN_SHARED_PREFIX, budget: int = SCORING_CHUNK_TOKENS,
 ) -> Tensor:
     """Last hidden states at the ``source`` positions of right-padded rows, ``[source.sum(), hidden]``
     in row-major order: what ``decoder(ids, attn).last_hidden_state[source]`` returns, with every
-    prefix shared by two or more rows computed once. Run it without gradient.
+    prefix shared by two or more rows computed once. Differentiable: with gradient on, a shared
+    prefix's gradient is the sum over the rows that read it, as in the plain forward (not under
+    activation checkpointing, which drops the cache: see :func:`checkpointing`).
 
     The rows' own parts run in chunks of similar length (see :func:`pack_by_length`): a row that
     shares little would otherwise pad every other row's short remainder to its full length, and
@@ -174,6 +191,9 @@ def hidden_at(
             p_mask[g, : len(p)] = 1
         out = decoder(input_ids=p_ids, attention_mask=p_mask, use_cache=True)
         prefix_cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        if prefix_cache is None:  # rows would run without their prefix: wrong states, silently
+            raise RuntimeError("the decoder returned no KV cache for the shared prefixes (activation checkpointing "
+                               "in training mode turns it off): call hidden_at without gradient or in eval mode")
     # 2. each row's own part on top of its prefix, positions continuing after it, in chunks
     from transformers import DynamicCache
 

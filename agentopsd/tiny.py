@@ -9,6 +9,7 @@ from a small config. Both are cached under ``cache_dir``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,8 @@ import gymnasium as gym
 
 from agentopsd.prompts import FORMATS, HistoryEntry, PromptBuilder
 from agentopsd.skills import SkillBank
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE = Path(os.environ.get("AGENTOPSD_CACHE", Path.home() / ".cache" / "agentopsd"))
 
@@ -73,6 +76,8 @@ def tiny_policy(
 
     cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE / "tokenizers"
     key = hashlib.sha1(f"{env_id}|{skills}|{output_format}|{vocab_size}|{text_episodes}|v1".encode()).hexdigest()[:12]
+    if not (cache / key / "tokenizer_config.json").is_file():  # seconds, once per environment and size
+        log.info("tiny policy: training a %d-token BPE tokenizer on %d expert episodes of %s (cached in %s)", vocab_size, text_episodes, env_id, cache)
     tokenizer = load_or_train_tokenizer(
         cache, key, lambda: environment_texts(env_id, text_episodes, output_format=output_format, skills=skills), vocab_size
     )

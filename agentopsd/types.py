@@ -50,9 +50,14 @@ class Turn:
     observation: str
     """Observation after the action."""
     reward: float
-    """Environment reward of this step plus any format penalty."""
+    """Environment reward of this step (logged; the update's reward is the trajectory's outcome)."""
     valid: bool
     """The output parsed and the environment accepted the action."""
+    penalty: float
+    """Shaping charged to this turn's tokens alone: ``env.invalid_penalty`` when the output did not
+    parse or the action was invalid, else 0. Never part of the outcome reward."""
+    state: str
+    """The observation the action was taken on: the environment state (GiGPO's anchor state)."""
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,13 @@ class Trajectory:
     """Environment error that ended the episode; faulted trajectories are excluded from updates."""
     truncated: bool
     """Ran out of turns without finishing."""
+    reward: float
+    """The outcome reward R behind A_seq: the success bit (the paper's), or ``score`` under
+    ``env.reward=score``. Penalties are per turn (``Turn.penalty``), never in R."""
 
     @property
-    def total_reward(self) -> float:
-        return sum(t.reward for t in self.turns)
+    def total_penalty(self) -> float:
+        return sum(t.penalty for t in self.turns)
 
 
 @dataclass
@@ -98,8 +106,10 @@ class RolloutBatch:
     turn_traj: Tensor  # [M] long: trajectory of each turn row
     turn_index: Tensor  # [M] long: turn number k of each row
     turn_valid: Tensor  # [M] bool: the turn's action parsed and was accepted
+    turn_penalties: Tensor  # [M] float: shaping charged to each turn's own tokens (subtracted from its advantage)
+    turn_state: Tensor  # [M] long: id of the observation text each turn acted on (equal ids = identical states)
     success: Tensor  # [B] float 0/1
-    rewards: Tensor  # [B] float: success + penalties (the GRPO reward)
+    rewards: Tensor  # [B] float: the outcome reward R (success bit, or the graded score under env.reward=score)
     group_ids: Tensor  # [B] long
     seq_advantages: Tensor  # [B] float: GRPO A_seq
     num_turns: Tensor  # [B] long

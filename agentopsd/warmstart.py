@@ -50,8 +50,12 @@ def write_demonstrations(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     count = 0
+    t0 = time.perf_counter()
+    every = max(1, episodes // 10)  # ten progress lines, whatever the size
     with wds.TarWriter(str(tmp)) as sink:
         for ep in range(episodes):
+            if ep and ep % every == 0:
+                log.info("warm start: demonstrations %d/%d episodes (%.0fs)", ep, episodes, time.perf_counter() - t0)
             obs, info = env.reset(seed=int(rng.integers(2**31 - 1)), options={"task_index": int(rng.integers(n))})
             skill = bank.retrieve(info["skill_key"], info["task"]).render() if bank else ""
             history: list[dict] = []
@@ -92,6 +96,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
     tag = hashlib.sha1(json.dumps([sorted(habits.items()), habit_prob]).encode()).hexdigest()[:6]
     shard = Path(out_dir) / f"demos-{env_cfg.id.split('/')[-1]}-{cfg.episodes}-{cfg.noise}-{cfg.seed}-{env_cfg.max_turns}-{env_cfg.get('skill_max_general')}-{tag}.tar"
     if not shard.exists():
+        log.info("warm start: the expert plays %d training episodes (demonstrations, cached in %s)", cfg.episodes, out_dir)
         t0 = time.perf_counter()
         n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills,
                                  max_turns=env_cfg.max_turns, max_general=env_cfg.get("skill_max_general"), habits=habits, habit_prob=habit_prob)
@@ -106,6 +111,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         print(f"warm start: loaded {cached}")
         return {"warm_start/cached": 1.0}
     samples = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False)]
+    log.info("warm start: %d supervised steps on %d demonstration turns", cfg.steps, len(samples))
     builder = PromptBuilder(tokenizer, output_format=env_cfg.output_format, history_window=env_cfg.history_window,
                             max_prompt_tokens=env_cfg.max_prompt_tokens, show_admissible=env_cfg.get("show_admissible", True),
                             **({"system_prompt": env_cfg.system_prompt} if env_cfg.get("system_prompt") is not None else {}))
@@ -144,6 +150,8 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         opt.step()
         losses.append(float(loss.detach()))
         step += 1
+        if step % max(1, total // 10) == 0 and step < total:
+            log.info("warm start: step %d/%d, loss %.3f (%.0fs)", step, total, float(np.mean(losses[-10:])), time.perf_counter() - t0)
     stats = {"warm_start/steps": float(step), "warm_start/loss": float(np.mean(losses[-20:])) if losses else float("nan"),
              "warm_start/seconds": time.perf_counter() - t0, "warm_start/samples": float(len(encoded))}
     tmp = cached.with_suffix(".tmp")

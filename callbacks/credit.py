@@ -31,10 +31,18 @@ from agentopsd.algorithms import Algorithm
 
 def credit_statistics(credit: Mapping[str, Tensor], success: Tensor, band: float) -> dict[str, float]:
     """``credit/`` metrics: mean |dB|, share of multipliers at the band edges, evidence spread,
-    and the correlation of e_k with the outcome (does the teacher's evidence predict success?)."""
+    and the correlation of e_k with the outcome (does the teacher's evidence predict success?).
+    GiGPO's credit gives the share of turns in a shared step group and the spread of A_step."""
     mask = credit["turn_mask"]
     if not bool(mask.any()):
         return {}
+    if "step_groups" in credit:
+        groups = credit["step_groups"][mask]
+        sizes = torch.bincount(groups)[groups]
+        return {
+            "credit/step_group_shared": float((sizes > 1).float().mean()),
+            "credit/step_advantage_std": float(credit["step_advantages"][mask].std(unbiased=False)),
+        }
     rev, w, e = credit["revisions"][mask], credit["multipliers"][mask], credit["evidence"][mask]
     outcome = success.to(e.dtype)[:, None].expand_as(mask)[mask]
     stats = {
@@ -68,12 +76,23 @@ class CreditCallback(L.Callback):
             raise ValueError("CreditCallback needs an algorithm: pass CreditCallback(AgentOPSD()) or give the module an `algorithm`")
         return algo
 
+    @staticmethod
+    def training_iteration(trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """The iteration schedules (RLSD's lambda warm-down) count: the module's ``iteration`` (one per
+        rollout batch) when it has one, else the trainer's step count."""
+        iteration = getattr(pl_module, "iteration", None)
+        return int(iteration) if isinstance(iteration, int) else int(trainer.global_step)
+
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int) -> None:
         t0 = time.perf_counter()
         algo = self._algorithm(pl_module)
-        credit = algo.assign(batch)
+        step = self.training_iteration(trainer, pl_module)
+        credit = algo.assign(batch, step)
         self.seconds = time.perf_counter() - t0
         stats = {"perf/credit_seconds": self.seconds}
+        lam = algo.lambda_at(step) if hasattr(algo, "lambda_at") else getattr(algo, "mult_lambda", None)
+        if lam is not None:
+            stats["credit/lambda"] = float(lam)
         if credit:
             success = batch["success"] if isinstance(batch, Mapping) else batch.success
             stats.update(credit_statistics(credit, success, getattr(algo, "mult_band", 0.2)))

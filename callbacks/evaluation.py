@@ -23,12 +23,17 @@ class EvaluationCallback(L.Callback):
         self.before_training = before_training
         self.at_end = at_end
         self.results: list[dict[str, float]] = []
+        self.iterations_trained = 0
+        """Iterations this process trained (0 when a resumed run had nothing left to do)."""
 
     def _run(self, trainer: L.Trainer, pl_module: L.LightningModule, when: str) -> None:
         metrics = pl_module.evaluate()
         self.results.append(metrics)
-        log_to_loggers(trainer, metrics, trainer.global_step)
-        log.info("eval (%s, iteration %d): success %.3f on %d episodes", when, pl_module.iteration, metrics["eval/success"], int(metrics.get("eval/episodes", 0)))
+        # one numbering everywhere: completed iterations (0 before training), the loggers' step too
+        done = int(pl_module.iterations_done)
+        log_to_loggers(trainer, metrics, done)
+        log.info("eval (%s, after %d iteration%s): success %.3f on %d episodes", when, done, "" if done == 1 else "s", metrics["eval/success"],
+                 int(metrics.get("eval/episodes", 0)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a resumed run already has its pre-training evaluation in the checkpoint
@@ -36,10 +41,12 @@ class EvaluationCallback(L.Callback):
             self._run(trainer, pl_module, "before training")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.iterations_trained += 1
         n = self.every_n_iterations
         if n and (pl_module.iteration + 1) % n == 0 and pl_module.iteration + 1 < pl_module.num_iterations:
             self._run(trainer, pl_module, "periodic")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.at_end:
+        # a resumed run that had nothing left to train keeps the evaluation its checkpoint holds
+        if self.at_end and (self.iterations_trained or not pl_module.eval_history):
             self._run(trainer, pl_module, "end")

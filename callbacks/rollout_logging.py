@@ -13,7 +13,10 @@ from agentopsd.types import RolloutBatch
 
 
 def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) -> list[dict]:
-    """JSON-ready records: each turn's action, observation, B_k, dB_k, w_k and advantage."""
+    """JSON-ready records: each turn's action, observation, B_k, dB_k, w_k and advantage.
+
+    ``iteration``: the iteration's number, counted like every log (iterations completed by its update).
+    """
     credit = batch.credit
     turn_adv = batch.turn_advantages
     records = []
@@ -64,6 +67,8 @@ class RolloutShardWriter(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not isinstance(batch, RolloutBatch) or not trainer.is_global_zero:
             return
-        it = pl_module.iteration
-        if it % self.every_n_iterations == 0:
-            write_shard(self.dirpath / f"rollouts-{it:06d}.tar", trajectory_records(batch, self.max_samples, it))
+        # numbered like every log line, CSV row and figure: iteration n is the n-th (1, 2, ...); the first
+        # iteration is always written, then every n-th after it
+        number = pl_module.iteration + 1
+        if (number - 1) % self.every_n_iterations == 0:
+            write_shard(self.dirpath / f"rollouts-{number:06d}.tar", trajectory_records(batch, self.max_samples, number))

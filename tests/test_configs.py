@@ -10,9 +10,11 @@ from hydra.utils import instantiate
 
 from agentopsd.algorithms import Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.runs import SWAPPABLE, check_group_swaps, pinned_keys, register_resolvers
 from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
+register_resolvers()  # output_dir is ${run_dir:...}
 
 
 def options(group: str) -> list[str]:
@@ -151,3 +153,54 @@ def test_unknown_group_option_names_the_choices(group):
     with pytest.raises(MissingConfigException) as err:
         cfg_for(f"{group}=nope")
     assert f"{group}/nope" in str(err.value) and "Available options" in str(err.value)
+
+
+# ------------------------------------------------------------------ swapping a group swaps it
+
+
+@pytest.fixture(scope="module")
+def plain_groups() -> dict[tuple[str, str], dict]:
+    """Each group option as it composes with no experiment: what a swap must give."""
+    from omegaconf import OmegaConf
+
+    return {(g, o): OmegaConf.to_container(cfg_for("experiment=none", f"{g}={o}")[g]) for g in SWAPPABLE for o in options(g)}
+
+
+@pytest.mark.parametrize("experiment", ["quickstart", "babyai_tiny", "webshop_3b"])
+def test_a_swapped_group_is_that_groups_file_or_fails_naming_the_experiment(experiment, plain_groups):
+    from omegaconf import OmegaConf
+
+    pinned = pinned_keys(CONF / "experiment" / f"{experiment}.yaml")
+    for (group, option), want in plain_groups.items():
+        swap = [f"experiment={experiment}", f"{group}={option}"]
+        if group in pinned:
+            with pytest.raises(ConfigError) as err:
+                check_group_swaps(experiment, swap, CONF)
+            message = str(err.value)
+            assert f"experiment={experiment} pins {group}" in message and "experiment=none" in message and "\n" not in message
+        else:
+            check_group_swaps(experiment, swap, CONF)
+            assert OmegaConf.to_container(cfg_for(*swap)[group]) == want, f"{experiment} + {group}={option} is a mix"
+
+
+def test_the_default_experiment_pins_no_group():
+    # so that every swap onto a bare `python train.py` works (the test above composes each one)
+    assert pinned_keys(CONF / "experiment" / "quickstart.yaml") == {}
+
+
+@pytest.mark.parametrize("name", options("env"))
+def test_an_env_swapped_onto_the_default_brings_its_id_skills_and_format(name):
+    from omegaconf import OmegaConf
+
+    env_file = OmegaConf.to_container(cfg_for("experiment=none", f"env={name}").env)
+    cfg = _resolve(cfg_for(f"env={name}"))
+    assert cfg.name == "quickstart"
+    for key in ("id", "skills", "output_format", "max_turns", "history_window"):
+        assert cfg.env[key] == env_file[key], key
+    # the tiny model's tokenizer is trained on that environment's text, in its output format
+    assert (cfg.model.env_id, cfg.model.skills, cfg.model.output_format) == (cfg.env.id, cfg.env.skills, cfg.env.output_format)
+    validate_config(cfg)
+
+
+def test_command_line_keys_are_not_swaps():
+    check_group_swaps("babyai_tiny", ["env.max_turns=3", "model.hidden_size=32", "+rollout.malformed_rate=0.1", "seed=1"], CONF)

@@ -32,20 +32,20 @@ def test_sigkill_between_checkpoints_then_resume(tmp_path):
               "trainer.enable_progress_bar=false", "evaluation.num_tasks=2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, *common], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # the checkpoint after iteration 1 (2 done), then the shard of iteration 2: we are between checkpoints
+    # the checkpoint after iteration 2, then the shard of iteration 3: we are between checkpoints
     _wait_for(out / "checkpoints" / "last.ckpt", proc, timeout=600)
-    _wait_for(out / "rollouts" / "rollouts-000002.tar", proc, timeout=600)
+    _wait_for(out / "rollouts" / "rollouts-000003.tar", proc, timeout=600)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     run_train(*common[1:], "ckpt_path=last")
     shards = shard_records(out)  # every shard reads back whole: none truncated
-    assert list(shards) == [f"rollouts-{i:06d}.tar" for i in range(6)]
+    assert list(shards) == [f"rollouts-{i:06d}.tar" for i in range(1, 7)]
     assert not list((out / "rollouts").glob(".*tmp*")) and not list((out / "checkpoints").glob(".*tmp*"))
     versions = sorted((out / "csv").glob("version_*"))
     resumed = [r for r in metrics_rows(out) if r.get("rollout/iteration")]
     resumed_iterations = [int(float(r["rollout/iteration"])) for r in resumed][-4:]
-    assert len(versions) == 2 and resumed_iterations == [2, 3, 4, 5]  # continued at the checkpoint's iteration
+    assert len(versions) == 2 and resumed_iterations == [3, 4, 5, 6]  # continued after the checkpoint's 2 iterations
 
 
 @pytest.mark.slow

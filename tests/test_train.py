@@ -50,8 +50,8 @@ def test_tiny_experiment_end_to_end(experiment, tmp_path):
     for key in ("loss/pg_loss", "loss/first_ratio_dev", "rollout/success", "perf/rollout_seconds", "perf/teacher_seconds", "credit/mean_abs_revision", "eval/success"):
         assert key in keys, f"{key} not logged; got {sorted(keys)}"
     shards = shard_records(out)
-    assert list(shards) == ["rollouts-000000.tar", "rollouts-000001.tar"]
-    first = shards["rollouts-000000.tar"][0]
+    assert list(shards) == ["rollouts-000001.tar", "rollouts-000002.tar"]  # iterations 1 and 2, numbered like every log
+    first = shards["rollouts-000001.tar"][0]
     assert first["turns"] and {"belief", "revision", "multiplier", "advantage"} <= set(first["turns"][0])
     assert all(0.0 <= t["belief"] <= 1.0 for t in first["turns"])
 
@@ -63,12 +63,13 @@ def test_resume_continues_the_task_stream(tmp_path):
     # 2 mini-batches per iteration: max_steps=4 stops after iteration 1, as a crash would
     run_train(*common, "+trainer.max_steps=4")
     before = shard_records(out)
-    assert list(before) == ["rollouts-000000.tar", "rollouts-000001.tar"]
-    stamp = (out / "rollouts" / "rollouts-000000.tar").stat().st_mtime_ns
-    run_train(*common, "ckpt_path=last")
+    assert list(before) == ["rollouts-000001.tar", "rollouts-000002.tar"]
+    stamp = (out / "rollouts" / "rollouts-000001.tar").stat().st_mtime_ns
+    proc = run_train(*common, "ckpt_path=last")
+    assert "trained 2 iterations (3-4), resumed after 2" in proc.stdout
     after = shard_records(out)
-    assert list(after) == [f"rollouts-00000{i}.tar" for i in range(4)]
-    assert (out / "rollouts" / "rollouts-000000.tar").stat().st_mtime_ns == stamp  # not replayed
+    assert list(after) == [f"rollouts-00000{i}.tar" for i in range(1, 5)]
+    assert (out / "rollouts" / "rollouts-000001.tar").stat().st_mtime_ns == stamp  # not replayed
 
     import gymnasium as gym
 
@@ -77,34 +78,73 @@ def test_resume_continues_the_task_stream(tmp_path):
 
     env_id = "agentopsd/BabyAI-GoToLocal-v0"
     num_tasks = gym.make(env_id, split="train").unwrapped.num_tasks
-    for it in (2, 3):
+    for it in (2, 3):  # the task stream's index of the 3rd and 4th iterations
         # the resumed iterations trained on exactly the tasks an uninterrupted run draws there
         want = {(t.group_id, t.task_index) for t in sample_tasks(env_id, num_tasks, 2, 4, it, seed=0)}
-        got = {(r["group"], r["task_index"]) for r in after[f"rollouts-00000{it}.tar"]}
+        got = {(r["group"], r["task_index"]) for r in after[f"rollouts-00000{it + 1}.tar"]}
         assert got and got <= want
     iterations = [int(float(r["rollout/iteration"])) for r in metrics_rows(out) if r.get("rollout/iteration")]
-    assert iterations == [0, 1, 2, 3]  # the resumed run continued at iteration 2 instead of restarting
+    assert iterations == [1, 2, 3, 4]  # the resumed run continued with iteration 3 instead of restarting
+    steps = [int(r["step"]) for r in metrics_rows(out) if r.get("rollout/iteration")]
+    assert steps == iterations  # the loggers' x axis is iterations too, not optimizer steps
 
 
 @pytest.mark.slow
 def test_shortened_quickstart_writes_the_report(tmp_path):
     """`python train.py` (the quickstart) cut to a couple of iterations: warm start, RL, report."""
-    out = tmp_path / "quickstart"
+    root = tmp_path / "quickstart"
     proc = run_train(
-        f"output_dir={out}", "num_iterations=2", "data.tasks_per_batch=2", "data.group_size=4", "evaluation.num_tasks=8",
+        f"runs_dir={root}", "num_iterations=2", "data.tasks_per_batch=2", "data.group_size=4", "evaluation.num_tasks=8",
         "evaluation.every_n_iterations=1", "warm_start.episodes=40", "warm_start.steps=4", "trainer.enable_progress_bar=false",
     )
     assert "warm start: 4 steps" in proc.stdout
-    assert "eval success:" in proc.stdout and "report/index.html" in proc.stdout
-    shard = list((out / "warm_start").glob("demos-BabyAI-PickupObj-v0-40-*.tar"))
-    assert len(shard) == 1 and list((out / "warm_start").glob("policy-*.pt"))
+    assert "eval success: " in proc.stdout and "after 2 iterations" in proc.stdout and "report/index.html" in proc.stdout
+    assert "warm start: step 2/4" in proc.stdout + proc.stderr  # progress while it trains, not only at the end
+    # the warm start's cache is shared by the runs of the name; the run has a folder of its own
+    shard = list((root / "warm_start").glob("demos-BabyAI-PickupObj-v0-40-*.tar"))
+    assert len(shard) == 1 and list((root / "warm_start").glob("policy-*.pt"))
+    out = (root / "latest").resolve()
+    assert out.parent == root and str(out) in proc.stdout
+    hparams = (out / "tensorboard" / "version_0" / "hparams.yaml").read_text()
+    assert "PickupObj" in hparams and "num_iterations: 2" in hparams  # the resolved config, not {}
     page = (out / "report" / "index.html").read_text()
     images = re.findall(r"src=['\"]([^'\"]+)['\"]", page)
     assert {"learning_curve.png", "horizon.png", "credit_0.png"} <= set(images)
     for image in images:
         data = (out / "report" / image).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
-    assert "Which turn won the game" in page
+    assert "Credit per turn" in page and ("Which turn" in page or "No credit to assign" in page)
+    assert "seed <b>0</b>" in page and "commit <b>" in page and "Credit statistics" in page
     assert page.count("</td></tr>") >= 3  # per-turn rows of a real trajectory: action, B_k, dB_k, w_k
     evals = [r for r in metrics_rows(out) if r.get("eval/success")]
     assert [float(r["eval/iteration"]) for r in evals] == [0.0, 1.0, 2.0]
+
+
+NOISE = ("Tip:", "litlogger", "LeafSpec", "overridden `on_after_batch_transfer`", "weights_only", "module(s) in eval mode", "DEBUG", "Glyph")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env_name", sorted(p.stem for p in (ROOT / "conf" / "env").glob("*.yaml")))
+def test_every_env_swapped_onto_the_default_runs_one_iteration(env_name, tmp_path):
+    """`python train.py env=X`: X's id, skills and output format, the tiny model and the warm start on X."""
+    if env_name == "alfworld":
+        pytest.importorskip("alfworld")
+    from omegaconf import OmegaConf
+
+    root = tmp_path / "runs"
+    proc = run_train(
+        f"env={env_name}", f"runs_dir={root}", "num_iterations=1", "data.tasks_per_batch=1", "data.group_size=2", "env.max_turns=2",
+        "optim.num_mini_batches=1", "evaluation.num_tasks=1", "+model.text_episodes=2", "warm_start.episodes=2", "warm_start.steps=1",
+        "warm_start.batch_size=2", "rollout_log.max_samples=2", "report=false", "trainer.enable_progress_bar=false",
+    )
+    out = (root / "latest").resolve()
+    cfg = OmegaConf.load(out / ".hydra" / "config.yaml")
+    env_file = OmegaConf.load(ROOT / "conf" / "env" / f"{env_name}.yaml")
+    if "defaults" in env_file:  # a file that extends another (babyai_pickupobj extends babyai)
+        base = OmegaConf.load(ROOT / "conf" / "env" / f"{env_file.defaults[0]}.yaml")
+        env_file = OmegaConf.merge(base, {k: v for k, v in env_file.items() if k != "defaults"})
+    assert (cfg.env.id, cfg.env.skills, cfg.env.output_format) == (env_file.id, env_file.skills, env_file.output_format)
+    assert "warm start: 1 steps" in proc.stdout
+    assert [r["rollout/iteration"] for r in metrics_rows(out) if r.get("rollout/iteration")] == ["1.0"]
+    assert "after 1 iteration" in proc.stdout
+    assert not [n for n in NOISE if n in proc.stdout + proc.stderr], (proc.stdout + proc.stderr)[-3000:]

@@ -11,13 +11,16 @@ import gymnasium as gym
 
 from agentopsd.distributed import all_max, is_distributed
 from agentopsd.preemption import RolloutStopped
-from agentopsd.prompts import HistoryEntry, PromptBuilder, assert_no_skills, parse_action
+from agentopsd.prompts import HistoryEntry, PromptBuilder, PromptViews, assert_no_skills, parse_action
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.skills import SkillBank
 from agentopsd.types import TaskSpec, Trajectory, Turn
 from envs.runner import BatchedRunner
 
 log = logging.getLogger(__name__)
+
+REWARDS = ("success", "score")
+"""The outcome reward R behind A_seq: the success bit (the paper's) or the environment's graded score."""
 
 
 @dataclass
@@ -27,6 +30,8 @@ class _Episode:
     spec: TaskSpec
     task: str = ""
     observation: str = ""
+    env_state: str = ""
+    """The environment's last observation: what ``observation`` shows unless a format error replaced it."""
     admissible: list[str] | None = None
     skill: str = ""
     task_type: str = ""
@@ -66,6 +71,7 @@ class Collector:
         env_kwargs: dict | None = None,
         max_turns: int = 50,
         invalid_penalty: float = 0.1,
+        reward: str = "success",
         skill_bank: SkillBank | None = None,
         num_threads: int = 0,
         env_wrappers: Sequence = (),
@@ -73,6 +79,8 @@ class Collector:
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {max_turns}")
+        if reward not in REWARDS:
+            raise ValueError(f"env.reward must be one of {REWARDS}, got {reward!r}")
         self.env_id = env_id
         self.generator = generator
         self.prompts = prompts
@@ -80,6 +88,7 @@ class Collector:
         self.env_kwargs = dict(env_kwargs or {})
         self.max_turns = max_turns
         self.invalid_penalty = invalid_penalty
+        self.reward = reward
         self.skill_bank = skill_bank
         self.num_threads = num_threads
         self.env_wrappers = tuple(env_wrappers)
@@ -150,11 +159,13 @@ class Collector:
                 # other ranks still play: keep entering the sharded forwards with a dummy prompt
                 self.generator.generate([[self.prompts.tokenizer.eos_token_id]], sampling)
                 continue
-            student = [self._prompt(episodes[i], skill="") for i in active]
+            # both views of a turn from one call: same history window, same trimming, the skill block alone differs
+            views = [self._views(episodes[i], with_teacher) for i in active]
+            student = [v.student for v in views]
             if evaluating and self._skill_lines:
                 for ids in student:
                     assert_no_skills(self.prompts.tokenizer.decode(ids), self._skill_lines)
-            teacher = [self._prompt(episodes[i], skill=episodes[i].skill) if with_teacher else s for i, s in zip(active, student)]
+            teacher = [v.teacher for v in views]
             t0 = time.perf_counter()
             gens = self.generator.generate(student, sampling)
             self.stats.generate_seconds += time.perf_counter() - t0
@@ -182,23 +193,24 @@ class Collector:
             return
         info = res.info
         ep.task = str(info.get("task", ""))
-        ep.observation = res.observation
+        ep.observation = ep.env_state = res.observation
         ep.admissible = info.get("admissible_actions")
         ep.task_type = str(info.get("task_type", ""))
         ep.expert_steps = int(info.get("expert_steps", -1))
         if with_teacher and self.skill_bank is not None:
             ep.skill = self.skill_bank.retrieve(str(info.get("skill_key", "")), ep.task).render()
 
-    def _prompt(self, ep: _Episode, skill: str) -> list[int]:
-        return self.prompts.build(ep.task, ep.history, ep.observation, ep.admissible, skill=skill)
+    def _views(self, ep: _Episode, with_teacher: bool) -> PromptViews:
+        return self.prompts.build_views(ep.task, ep.history, ep.observation, ep.admissible, skill=ep.skill if with_teacher else "")
 
     def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res) -> None:
         self.stats.turns += 1
-        reward, valid = 0.0, False
+        # the penalty belongs to this turn alone; the outcome reward is set once, at the end (_finish)
+        reward, penalty, valid = 0.0, 0.0, False
         if action is None:
             self.stats.format_errors += 1
             observation = f"Your output did not follow the format. {self.prompts.user_message('', [], '', None).splitlines()[-1]}"
-            reward -= self.invalid_penalty
+            penalty = self.invalid_penalty
         elif res.error is not None:
             ep.done, ep.fault = True, f"step: {res.error}"
             observation = ""
@@ -206,8 +218,8 @@ class Collector:
             valid = bool(res.info.get("action_valid", True))
             if not valid:
                 self.stats.invalid_actions += 1
-                reward -= self.invalid_penalty
-            reward += float(res.reward)
+                penalty = self.invalid_penalty
+            reward = float(res.reward)
             observation = res.observation
             ep.admissible = res.info.get("admissible_actions", ep.admissible)
             ep.won = bool(res.info.get("won", False))
@@ -225,22 +237,27 @@ class Collector:
                 observation=observation,
                 reward=reward,
                 valid=valid,
+                penalty=penalty,
+                state=ep.env_state,  # a format error does not change the environment's state
             )
         )
         ep.history.append(HistoryEntry(observation=ep.observation, action=action or gen.text.strip()[:200]))
         if observation:
             ep.observation = observation
+        if action is not None and res.error is None:
+            ep.env_state = observation  # the environment stepped (an invalid action steps it too)
 
-    @staticmethod
-    def _finish(ep: _Episode) -> Trajectory:
+    def _finish(self, ep: _Episode) -> Trajectory:
+        success = ep.won and ep.fault is None
         return Trajectory(
             task=ep.spec,
             turns=tuple(ep.turns),
-            success=ep.won and ep.fault is None,
+            success=success,
             score=ep.score,
             task_type=ep.task_type,
             expert_steps=ep.expert_steps,
             skill_text=ep.skill,
             fault=ep.fault,
             truncated=ep.truncated,
+            reward=float(success) if self.reward == "success" else ep.score,
         )

@@ -11,13 +11,20 @@ from hypothesis import strategies as st
 
 from agentopsd.credit import (
     MODES,
+    anchor_state_groups,
+    apply_turn_penalties,
     belief_revisions,
     decayed_cumsum,
+    discounted_turn_returns,
+    gigpo_advantages,
     group_success_rate,
     grpo_advantages,
+    lambda_at,
+    mix_advantages,
     pack_turns,
     reshape_advantages,
     rlsd_token_advantages,
+    stepopsd_multipliers,
     turn_evidence,
     unpack_turns,
 )
@@ -239,3 +246,67 @@ def test_any_device_and_batch_vectorization_agree():
     if torch.cuda.is_available():
         gpu = reshape_advantages(adv.cuda(), gaps.cuda(), mask.cuda(), prior.cuda())
         assert torch.allclose(gpu.cpu(), whole, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the shared pieces of the baselines
+
+
+def test_mix_advantages_is_the_one_rule():
+    adv = torch.tensor([2.0, -1.0, 0.0])
+    w = torch.tensor([[0.8, 1.2], [1.2, 1.0], [0.9, 1.1]])
+    assert torch.allclose(mix_advantages(adv, w, 0.5).float(), torch.tensor([[1.8, 2.2], [-1.1, -1.0], [0.0, 0.0]], dtype=torch.float32), atol=1e-6)
+    assert torch.equal(mix_advantages(adv, w, 0.0), adv[:, None].expand(3, 2))  # lam = 0: GRPO exactly
+    assert mix_advantages(adv, w[:, 0], 1.0).tolist() == pytest.approx([1.6, -1.2, 0.0])  # [B] multipliers too
+    with pytest.raises(ValueError, match="lam"):
+        mix_advantages(adv, w, 1.5)
+    with pytest.raises(ValueError, match="multipliers"):
+        mix_advantages(adv, w[:2], 0.5)
+
+
+def test_lambda_at_warms_down_linearly():
+    assert [lambda_at(0.5, s, 100) for s in (0, 25, 100, 400)] == pytest.approx([0.5, 0.375, 0.0, 0.0])
+    assert lambda_at(0.5, 10_000) == 0.5
+    with pytest.raises(ValueError, match="warmdown_steps"):
+        lambda_at(0.5, 0, -1)
+
+
+def test_stepopsd_multipliers_hand_case():
+    adv = torch.tensor([1.0, -1.0])
+    mean_gaps = torch.tensor([[0.1, -1.0], [0.1, 5.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    w = stepopsd_multipliers(adv, mean_gaps, mask, band=0.2)
+    assert torch.allclose(w.float(), torch.tensor([[math.exp(0.1), 0.8], [math.exp(-0.1), 1.0]], dtype=torch.float32), atol=1e-6)
+
+
+def test_grpo_mean_only_normalisation():
+    adv = grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 5.0]), torch.tensor([0, 0, 0, 1]), scale_by_std=False)
+    assert adv.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3, 0.0])
+
+
+def test_discounted_turn_returns():
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    ret = discounted_turn_returns(torch.tensor([1.0, 1.0]), mask, gamma=0.5)
+    assert ret.tolist() == [[0.25, 0.5, 1.0], [1.0, 0.0, 0.0]]
+
+
+def test_anchor_state_groups_and_gigpo_advantages():
+    group_ids = torch.tensor([0, 0, 1])
+    states = torch.tensor([[4, 7, -1], [4, 4, 7], [4, 7, -1]])
+    mask = states >= 0
+    groups = anchor_state_groups(group_ids, states, mask)
+    assert groups[0, 0] == groups[1, 0] == groups[1, 1] and groups[0, 1] == groups[1, 2]
+    assert groups[2, 0] != groups[0, 0] and groups[2, 1] != groups[0, 1]  # another task group: another step group
+    assert groups[0, 2].item() == -1
+    returns = torch.tensor([[0.5, 1.0, 0.0], [0.0, 0.0, 0.0], [0.9, 1.0, 0.0]])
+    total, step = gigpo_advantages(torch.tensor([1.0, -1.0, 0.0]), returns, groups, mask, omega=2.0, scale_by_std=False)
+    # state 4 of group 0 holds returns 0.5, 0, 0 (mean 1/6); state 7 holds 1, 0 (mean 1/2); group 1 is alone
+    assert torch.allclose(step.float(), torch.tensor([[1 / 3, 0.5, 0.0], [-1 / 6, -1 / 6, -0.5], [0.0, 0.0, 0.0]], dtype=torch.float32), atol=1e-6)
+    assert torch.allclose(total.float(), torch.tensor([[1 + 2 / 3, 2.0, 0.0], [-1 - 1 / 3, -1 - 1 / 3, -2.0], [0.0, 0.0, 0.0]], dtype=torch.float32), atol=1e-6)
+
+
+def test_apply_turn_penalties():
+    adv = torch.ones(2, 3)
+    mask = torch.tensor([[False, True, True], [True, False, False]])
+    assert apply_turn_penalties(adv, torch.tensor([0.1, 0.0]), mask).flatten().tolist() == pytest.approx([1, 0.9, 0.9, 1, 1, 1])
+    with pytest.raises(ValueError, match="rows"):
+        apply_turn_penalties(adv, torch.tensor([0.1]), mask)

@@ -35,10 +35,11 @@ def test_task_stream_state_round_trip():
 def _traj(group: int, success: bool, turns: int, fault: str | None = None) -> Trajectory:
     spec = TaskSpec("x", "train", 0, 0, group)
     ts = tuple(
-        Turn(k, (1, 2, 3), (1, 9, 2, 3), (5, 6), (-0.5, -0.25), "<action>a</action>", "a", "obs", float(success and k == turns - 1), True)
+        Turn(k, (1, 2, 3), (1, 9, 2, 3), (5, 6), (-0.5, -0.25), "<action>a</action>", "a", "obs", float(success and k == turns - 1), True,
+             penalty=0.0, state=f"state {k}")
         for k in range(turns)
     )
-    return Trajectory(spec, ts, success, float(success), "t", turns, "skill", fault, False)
+    return Trajectory(spec, ts, success, float(success), "t", turns, "skill", fault, False, reward=float(success))
 
 
 def test_collate_rows_masks_and_faults():

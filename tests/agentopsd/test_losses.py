@@ -1,11 +1,22 @@
-"""The clipped objective: hand cases, clip-higher asymmetry, aggregation, KL."""
+"""The clipped objective: hand cases, clip-higher asymmetry, aggregation, KL; the baselines' distillation terms."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from agentopsd.losses import aggregate, clipped_policy_loss, distillation_loss, kl_k3, token_logprobs
+from agentopsd.losses import (
+    aggregate,
+    clipped_policy_loss,
+    distillation_loss,
+    kl_k3,
+    sdar_loss,
+    skill_sd_loss,
+    token_entropy,
+    token_logprobs,
+)
 
 
 def test_on_policy_loss_is_minus_mean_advantage():
@@ -80,3 +91,50 @@ def test_token_logprobs_matches_log_softmax():
     targets = torch.randint(0, 7, (2, 3))
     want = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
     assert torch.allclose(token_logprobs(logits, targets), want, atol=1e-6)
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_sdar_loss_hand_case_and_gradient():
+    student = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    teacher = torch.tensor([[-0.5, -2.5, -9.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss = sdar_loss(student, teacher, mask, beta=5.0)
+    g = [_sigmoid(5 * 0.5), _sigmoid(5 * -0.5)]  # delta = +0.5 (teacher surer) and -0.5
+    assert loss.item() == pytest.approx((g[0] * 0.5 + g[1] * -0.5) / 2)
+    loss.backward()
+    # the gate is detached: d/d log pi_S = -g_t / n on each counted token, 0 on the masked one
+    assert torch.allclose(student.grad.float(), torch.tensor([[-g[0] / 2, -g[1] / 2, 0.0]], dtype=torch.float32), atol=1e-6)
+    flat = sdar_loss(student.detach(), teacher, mask, beta=0.0)  # beta 0: a constant gate of one half
+    assert flat.item() == pytest.approx(0.5 * (0.5 - 0.5) / 2)
+
+
+def test_skill_sd_loss_hand_case():
+    student = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    teacher = torch.tensor([[-0.5, -2.0]])
+    old = torch.tensor([[-1.2, -2.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss = skill_sd_loss(student, teacher, old, mask)
+    l0 = -1.0 - -0.5
+    k3 = math.exp(-l0) - 1 + l0
+    rho = math.exp(-1.0 - -1.2)
+    assert loss.item() == pytest.approx((rho * k3 + 0.0) / 2)  # the second token: l = 0 gives k3 = 0
+    loss.backward()
+    assert student.grad[0, 1].item() == pytest.approx(0.0) and student.grad[0, 0].item() != 0.0
+
+
+def test_skill_sd_loss_is_nonnegative_and_finite_on_wild_gaps():
+    student = torch.tensor([[-50.0, 0.0, -1.0]])
+    teacher = torch.tensor([[0.0, -50.0, -1.0]])
+    old = torch.tensor([[-80.0, -1.0, -1.0]])
+    loss = skill_sd_loss(student, teacher, old, torch.ones(1, 3, dtype=torch.bool))
+    assert torch.isfinite(loss) and loss.item() >= 0  # exp(-l) clamped at e^20, rho at e^10
+
+
+def test_token_entropy():
+    uniform = torch.zeros(2, 4)
+    assert token_entropy(uniform).tolist() == pytest.approx([math.log(4)] * 2)
+    peaked = torch.tensor([[100.0, 0.0, 0.0]])
+    assert token_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)

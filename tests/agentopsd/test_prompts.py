@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agentopsd.prompts import HistoryEntry, PromptBuilder, SkillLeakError, assert_no_skills, parse_action
+
+CONF_ENV = Path(__file__).resolve().parents[2] / "conf" / "env"
 
 
 @pytest.mark.parametrize(
@@ -85,3 +89,83 @@ def test_guard_fires_inside_evaluation(tiny_walk_policy):
     collector.prompts.user_message = leaking_user_message
     with pytest.raises(SkillLeakError):
         module.evaluate()
+
+
+def _played_history(env_id: str, turns: int) -> tuple[str, str, list[HistoryEntry], str, list[str] | None]:
+    """Task, skill key, a long history of real observations and actions, the current observation and
+    admissible actions, from playing the environment (cycling through its admissible actions)."""
+    import gymnasium as gym
+
+    import envs  # noqa: F401
+
+    env = gym.make(env_id, split="train", disable_env_checker=True)
+    obs, info = env.reset(seed=0, options={"task_index": 0})
+    task, key, history = str(info["task"]), str(info.get("skill_key", "")), []
+    for i in range(turns):
+        admissible = info.get("admissible_actions")
+        action = admissible[(3 * i) % len(admissible)] if admissible else f"<search>query {i}</search>"
+        history.append(HistoryEntry(obs, action))
+        obs, _, term, trunc, info = env.step(action)
+        if term or trunc:
+            obs, info = env.reset(seed=i + 1, options={"task_index": 0})
+    env.close()
+    return task, key, history, obs, info.get("admissible_actions")
+
+
+@pytest.mark.parametrize("env_name", sorted(p.stem for p in CONF_ENV.glob("*.yaml")))
+def test_teacher_view_is_the_student_view_plus_the_skill_block_for_every_env(env_name, tiny_walk_policy):
+    """Long histories under tight budgets: the two views hold the same history, whatever gets trimmed."""
+    from omegaconf import OmegaConf
+
+    from agentopsd.skills import SkillBank
+
+    _, tok = tiny_walk_policy
+    cfg = OmegaConf.load(CONF_ENV / f"{env_name}.yaml")
+    if "defaults" in cfg:  # a variant: its base files, then its own values
+        bases = [OmegaConf.load(CONF_ENV / f"{d}.yaml") for d in cfg.defaults if d != "_self_"]
+        cfg = OmegaConf.merge(*bases, {k: v for k, v in cfg.items() if k != "defaults"})
+    task, key, history, obs, admissible = _played_history(cfg.id, turns=12)
+    skill = SkillBank.for_env(cfg.skills).retrieve(key, task).render()
+    assert skill.count("\n") >= 2, "the skill block should span lines, so that shortening it is exercised"
+    common = {"output_format": cfg.output_format, "show_admissible": cfg.get("show_admissible", True)}
+    for window in sorted({cfg.get("history_window", 2), 8}):  # the environment's own window, and a long one
+        trimmed = _check_views(tok, task, history, obs, admissible, skill, window, common)
+        if window == 8:
+            assert trimmed["history"] and trimmed["skill"], trimmed  # both cuts were exercised
+
+
+def _check_views(tok, task, history, obs, admissible, skill, window, common) -> dict[str, int]:
+    roomy = PromptBuilder(tok, history_window=window, max_prompt_tokens=10**6, **common)
+    full_student = len(roomy.build_views(task, history, obs, admissible).student)
+    full_teacher = len(roomy.build_views(task, history, obs, admissible, skill=skill).teacher)
+    trimmed = {"history": 0, "skill": 0}
+    # budgets from roomy to below the student's own length: nothing cut, the skill cut, history cut too
+    for budget in sorted({full_teacher, (full_student + full_teacher) // 2, full_student, full_student - 40, full_student // 2}):
+        b = PromptBuilder(tok, history_window=window, max_prompt_tokens=budget, **common)
+        views = b.build_views(task, history, obs, admissible, skill=skill)
+        student, teacher = tok.decode(views.student), tok.decode(views.teacher)
+        assert skill.startswith(views.skill) and (views.skill == "" or skill[len(views.skill) :][:1] in ("", "\n"))
+        if views.skill:
+            block = f"Skills for this task:\n{views.skill}\n\n"
+            assert block in teacher and teacher.replace(block, "", 1) == student, budget
+            assert len(views.teacher) <= max(budget, len(views.student))
+        else:
+            assert views.teacher == views.student
+        # the student view is the one the student gets with no teacher at all
+        alone = PromptBuilder(tok, history_window=window, max_prompt_tokens=budget, **common)
+        assert views.student == alone.build(task, history, obs, admissible)
+        trimmed["history"] += b.stats["history_trimmed"] > 0
+        trimmed["skill"] += b.stats["skill_trimmed"] > 0
+    return trimmed
+
+
+def test_independent_trimming_would_have_split_the_history(tiny_walk_policy):
+    """The failure this guards against: a budget the student fits with its history and the full teacher does not."""
+    _, tok = tiny_walk_policy
+    hist = [HistoryEntry(f"You are at position {i}. " * 3, "right") for i in range(4)]
+    skill = "\n".join(f"- hint number {i}: go right" for i in range(6))
+    student_len = len(PromptBuilder(tok, history_window=4, max_prompt_tokens=10**6).build("walk to 5", hist, "now", None))
+    b = PromptBuilder(tok, history_window=4, max_prompt_tokens=student_len + 8)
+    views = b.build_views("walk to 5", hist, "now", None, skill=skill)
+    assert b.stats["history_trimmed"] == 0 and b.stats["skill_trimmed"] == 1
+    assert tok.decode(views.teacher).count("Observation:") == tok.decode(views.student).count("Observation:") == 4

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agentopsd.scoring import hidden_at, pack_by_length, shared_prefixes
+from agentopsd.scoring import checkpointing, hidden_at, pack_by_length, shared_prefixes, sharing_order
 
 
 def test_prefix_groups_share_only_where_it_saves_tokens():
@@ -186,3 +186,55 @@ def test_length_chunks_pay_less_padding_than_filling_each_chunk_in_turn():
     assert padded + 16 * len(chunks) < 3261 + 16 * 4
     assert padded < 1.1 * 2656, padded
     assert pack_by_length([], [], 100) == [[]]
+
+
+def test_gradients_through_shared_prefixes_equal_the_plain_forward(decoder):
+    """The update runs shared prefixes once with gradient: each weight's gradient must be the plain
+    forward's (a prefix read by G rows gets the sum of their gradients)."""
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 64, (30,), generator=g).tolist()
+    rows = [prompt + torch.randint(3, 64, (int(n),), generator=g).tolist() for n in (4, 6, 5, 7)]
+    rows.append(torch.randint(3, 64, (12,), generator=g).tolist())  # shares nothing
+    ids, attn, source = _batch(rows, [3, 4, 4, 5, 6])
+    weights = torch.randn(int(source.sum()), decoder.config.hidden_size, generator=g)
+    grads = []
+    for run in (lambda: decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source],
+                lambda: hidden_at(decoder, ids, attn, source)):
+        decoder.zero_grad(set_to_none=True)
+        (run() * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in decoder.named_parameters() if p.grad is not None})
+    plain, shared = grads
+    assert plain.keys() == shared.keys() and plain
+    for name in plain:
+        torch.testing.assert_close(shared[name], plain[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sharing_order_puts_rows_of_one_prefix_side_by_side():
+    a, b = [5, 6, 7, 8], [9, 9, 9]
+    rows = [a + [1], b + [2, 2], a + [3], b + [4], a + [2]]
+    width = max(map(len, rows)) + 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), 1
+    order = sharing_order(ids, attn).tolist()
+    assert sorted(order) == list(range(len(rows)))
+    assert order == [0, 4, 2, 1, 3]  # a's rows together, then b's; padding never decides
+
+
+
+def test_activation_checkpointing_is_seen_and_a_missing_cache_is_an_error():
+    """Under activation checkpointing transformers drops the KV cache in training: the shared path
+    would run rows without their prefix, so the module must see it (and take the plain forward)."""
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256)
+    model = Qwen2ForCausalLM(cfg)
+    model.gradient_checkpointing_enable()
+    decoder = model.get_decoder().train()
+    assert checkpointing(decoder)
+    with torch.no_grad():
+        assert not checkpointing(decoder)
+    assert not checkpointing(decoder.eval())
+    ids, attn, source = _batch([[5] * 20 + [6, 7], [5] * 20 + [8, 9, 10]], [1, 2])
+    with pytest.raises(RuntimeError, match="no KV cache"):
+        hidden_at(decoder.train(), ids, attn, source)

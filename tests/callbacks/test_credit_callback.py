@@ -6,8 +6,8 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from agentopsd.algorithms import AgentOPSD, Algorithm
-from agentopsd.credit import group_success_rate, reshape_advantages, turn_evidence
+from agentopsd.algorithms import RLSD, AgentOPSD, Algorithm, GiGPO
+from agentopsd.credit import group_success_rate, reshape_advantages, rlsd_token_advantages, turn_evidence
 from callbacks.credit import CreditCallback
 
 
@@ -121,3 +121,55 @@ def test_missing_field_names_the_fields():
         assert "teacher_logprobs" in str(err) and "seq_advantages" in str(err)
     else:
         raise AssertionError("a batch without teacher log-probs must raise")
+
+
+def test_rlsd_lambda_warms_down_with_the_training_step():
+    """A module without an ``iteration`` attribute: the schedule counts the trainer's steps."""
+    module = ForeignModule()
+    callback = CreditCallback(RLSD(lambda_warmdown_steps=2))
+    lambdas = []
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            lambdas.append(callback.last_stats["credit/lambda"])
+
+    trainer = L.Trainer(max_epochs=1, callbacks=[callback, Spy()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, DataLoader(_Batches(), batch_size=None))
+    assert lambdas == [0.5, 0.25, 0.0]
+    for i, (seen, lam) in enumerate(zip(module.seen, lambdas)):
+        b = foreign_batch(i)
+        want = rlsd_token_advantages(b["seq_advantages"], b["teacher_logprobs"], b["student_logprobs"], b["token_turn"] >= 0, lam=lam)
+        assert torch.allclose(seen["advantages"], want.float())
+
+
+def test_the_module_iteration_drives_the_schedule():
+    class Iterating(ForeignModule):
+        iteration = 40
+
+    module = Iterating()
+    callback = CreditCallback(RLSD(lambda_warmdown_steps=100), log_stats=False)
+    trainer = L.Trainer(max_steps=1, callbacks=[callback], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, DataLoader(_Batches(), batch_size=None))
+    assert callback.last_stats["credit/lambda"] == 0.3
+
+
+def test_gigpo_statistics_in_the_callback():
+    batch = {
+        "seq_advantages": torch.tensor([0.7, -0.7]), "rewards": torch.tensor([1.0, 0.0]), "success": torch.tensor([1.0, 0.0]),
+        "group_ids": torch.tensor([0, 0]), "action_mask": torch.ones(4, 2, dtype=torch.bool), "turn_traj": torch.tensor([0, 0, 1, 1]),
+        "turn_index": torch.tensor([0, 1, 0, 1]), "turn_state": torch.tensor([0, 1, 0, 2]),
+    }
+
+    class Holder(L.LightningModule):
+        algorithm = GiGPO()
+        iteration = 0
+
+        def log_dict(self, *args, **kwargs):
+            pass
+
+    callback = CreditCallback()
+    callback.on_train_batch_start(None, Holder(), batch, 0)  # no algorithm given: the module's own
+    assert callback.last_stats["credit/step_group_shared"] == 0.5  # the first turns share state 0, the second ones do not
+    assert callback.last_stats["credit/step_advantage_std"] > 0

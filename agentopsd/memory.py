@@ -1,0 +1,534 @@
+"""A per-GPU memory plan of a run, from its config alone: no weights loaded, no GPU needed.
+
+    python -m agentopsd.memory +experiment=webshop_7b trainer.devices=8 [--gpu-memory-gib 141]
+
+What it counts, per GPU (bytes; printed in GiB):
+
+- weights, gradients and AdamW's two states, in the master-weight dtype, divided by the device count
+  under FSDP2 (``trainer=fsdp``), whole on every device under DDP or on one device;
+- what FSDP2 holds unsharded while it computes: the root unit (embeddings, LM head, final norm) and
+  its gradient for the whole forward and backward (FSDP2 does not reshard the root after forward, and
+  reduce-scatters its gradient last), plus two decoder layers (the one computing and the one
+  prefetched) and one layer's gradient before its reduce-scatter; under DDP the gradient buckets;
+- activations at ``optim.micro_batch_size`` rows of ``env.max_prompt_tokens + rollout.max_new_tokens``
+  tokens: with gradient checkpointing each layer's input plus one layer recomputed (its activations and
+  their gradients), without it every layer's activations;
+- the LM head's logits: ``vocab`` values and their gradient in the compute dtype per position the head
+  runs at, plus at the action positions (rows x ``max_new_tokens``) the float32 copy the log-softmax
+  keeps and its gradient (and, with ``algorithm.entropy_coef > 0``, the entropy's float32 log-softmax,
+  probabilities and gradient). The trainer runs the head only at action positions, except under FSDP2,
+  where it calls the whole sharded model and the head runs at every position (rows x sequence length);
+- a frozen reference copy of the policy when ``algorithm.kl_coef > 0`` (never sharded);
+- vLLM's share, ``rollout.vllm.gpu_memory_utilization`` x the GPU's memory (its weights, KV cache and
+  activations all live inside it), and a fixed margin for the CUDA context, NCCL and fragmentation.
+
+Estimates, not measurements: attention is assumed to be a fused kernel (no sequence x sequence
+matrix), and the per-layer activation count is the tensors a Qwen2 layer saves for its backward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+GIB = 2**30
+DEFAULT_GPU_MEMORY_GIB = 80.0
+"""Planning default when no GPU is visible and none is named: an 80 GB A100/H100."""
+RUNTIME_MARGIN_BYTES = 2 * GIB
+"""CUDA context (about 0.5 GiB), NCCL buffers and the caching allocator's fragmentation: a margin."""
+ADAM_STATES = 2
+"""AdamW keeps exp_avg and exp_avg_sq, each the size of the parameters."""
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shape of a Qwen2-style decoder (grouped-query attention, SwiGLU MLP, RMSNorm)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = True
+    """Qwen2 has biases on q, k and v (Llama does not)."""
+    checkpoint_dtype: str = "bfloat16"
+    """The dtype the weights ship in (what ``model.dtype=auto`` loads)."""
+    source: str = ""
+    """Where the shape came from, for the report."""
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * (self.hidden_size // self.num_heads)
+
+    @property
+    def layer_parameters(self) -> int:
+        h, kv, i = self.hidden_size, self.kv_dim, self.intermediate_size
+        attention = h * h + 2 * h * kv + h * h + ((h + 2 * kv) if self.qkv_bias else 0)  # q, k, v, o
+        return attention + 3 * h * i + 2 * h  # gate, up, down; two RMSNorms
+
+    @property
+    def root_parameters(self) -> int:
+        """Embeddings, the LM head when untied, the final norm: FSDP2's root unit here."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @property
+    def parameters(self) -> int:
+        return self.num_layers * self.layer_parameters + self.root_parameters
+
+    @property
+    def activation_elements_per_token(self) -> int:
+        """Values one layer saves for backward per token: both RMSNorms' inputs and outputs (4h), q, k, v
+        after RoPE (h + 2 kv), the attention output (h), and gate, up, SiLU(gate) and their product (4i)."""
+        return 6 * self.hidden_size + 2 * self.kv_dim + 4 * self.intermediate_size
+
+
+def _qwen(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> Architecture:
+    return Architecture(h, layers, heads, kv, inter, vocab, tied, source="built-in Qwen2.5 table")
+
+
+QWEN25: dict[str, Architecture] = {
+    # From each model's config.json (the -Instruct models share their base model's shape).
+    "qwen/qwen2.5-0.5b": _qwen(896, 24, 14, 2, 4864, 151936, True),  # 494,032,768 parameters
+    "qwen/qwen2.5-1.5b": _qwen(1536, 28, 12, 2, 8960, 151936, True),  # 1,543,714,304
+    "qwen/qwen2.5-3b": _qwen(2048, 36, 16, 2, 11008, 151936, True),  # 3,085,938,688
+    "qwen/qwen2.5-7b": _qwen(3584, 28, 28, 4, 18944, 152064, False),  # 7,615,616,512
+}
+
+
+def _from_hf_config(data: dict[str, Any], source: str) -> Architecture:
+    data = data.get("text_config", data)
+    heads = int(data["num_attention_heads"])
+    model_type = data.get("model_type", "")
+    # transformers leaves keys equal to the class default out of config.json: Qwen2's default is untied
+    tied = data.get("tie_word_embeddings", model_type != "qwen2")
+    return Architecture(
+        hidden_size=int(data["hidden_size"]),
+        num_layers=int(data["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(data.get("num_key_value_heads") or heads),
+        intermediate_size=int(data["intermediate_size"]),
+        vocab_size=int(data["vocab_size"]),
+        tie_word_embeddings=bool(tied),
+        qkv_bias=model_type == "qwen2" or bool(data.get("attention_bias", False)),
+        checkpoint_dtype=str(data.get("torch_dtype") or data.get("dtype") or "float32"),
+        source=source,
+    )
+
+
+def architecture_of(model_cfg: DictConfig | dict) -> tuple[Architecture | None, str]:
+    """The policy's shape and ``""``, or ``None`` and why it is unknown.
+
+    Tried in order: ``<model.path>/config.json`` for a local folder, the built-in Qwen2.5 table, the
+    hub cache's config.json (no network), the tiny model's own keys (``model.hidden_size``, ...).
+    """
+    get = model_cfg.get
+    path = get("path")
+    if path:
+        config_file = Path(str(path)).expanduser() / "config.json"
+        if config_file.is_file():
+            return _from_hf_config(json.loads(config_file.read_text()), f"{config_file}"), ""
+        key = str(path).rstrip("/").lower().removesuffix("-instruct")
+        if key in QWEN25:
+            return QWEN25[key], ""
+        cached = _hub_cached_config(str(path))
+        if cached is not None:
+            return _from_hf_config(json.loads(Path(cached).read_text()), f"hub cache {cached}"), ""
+        return None, (f"model.path={path!r} is neither a local folder with config.json, nor a Qwen2.5 name "
+                      f"this plan knows ({', '.join(sorted(QWEN25))}), nor in the hub cache")
+    if all(get(k) is not None for k in ("hidden_size", "num_layers", "num_heads", "intermediate_size")):
+        heads = int(get("num_heads"))
+        return Architecture(
+            hidden_size=int(get("hidden_size")), num_layers=int(get("num_layers")), num_heads=heads,
+            num_kv_heads=int(get("num_kv_heads") or heads), intermediate_size=int(get("intermediate_size")),
+            vocab_size=int(get("vocab_size") or 512), tie_word_embeddings=True, checkpoint_dtype="float32",
+            source="the tiny model's config keys (vocab_size is an upper bound)",
+        ), ""
+    return None, "the model config has neither model.path nor the tiny model's size keys"
+
+
+def _hub_cached_config(repo_id: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # an invalid repo id, or no huggingface_hub: simply not cached
+        return None
+    return cached if isinstance(cached, str) else None
+
+
+# ---------------------------------------------------------------------------------------- config reading
+
+
+def _precision(value: Any) -> str:
+    """Lightning's precision names, with its short aliases spelled out."""
+    text = str(value)
+    return {"32": "32-true", "64": "64-true", "16": "16-mixed", "bf16": "bf16-mixed"}.get(text, text)
+
+
+def _param_and_compute_dtype(precision: str, model_dtype: str, checkpoint_dtype: str) -> tuple[str, str]:
+    """(master-weight dtype, compute dtype). ``*-true`` converts the module; ``*-mixed`` autocasts and keeps
+    whatever dtype the weights were loaded in (``model.dtype``)."""
+    if precision == "bf16-true":
+        return "bfloat16", "bfloat16"
+    if precision == "16-true":
+        return "float16", "float16"
+    if precision == "64-true":
+        return "float64", "float64"
+    loaded = checkpoint_dtype if model_dtype == "auto" else model_dtype
+    if loaded not in DTYPE_BYTES:
+        loaded = "float32"
+    if precision == "bf16-mixed":
+        return loaded, "bfloat16"
+    if precision == "16-mixed":
+        return loaded, "float16"
+    return loaded, loaded  # 32-true: Lightning leaves the module as loaded
+
+
+def _world_size(trainer: DictConfig | dict) -> tuple[int, str]:
+    """trainer.devices x trainer.num_nodes, and a note when ``auto`` had to be guessed."""
+    devices = trainer.get("devices", 1)
+    nodes = int(trainer.get("num_nodes", 1) or 1)
+    note = ""
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if OmegaConf.is_list(devices) or isinstance(devices, list | tuple):
+        count = len(devices)
+    elif isinstance(devices, int) and devices > 0:
+        count = devices
+    else:  # "auto" or -1: every visible GPU
+        count = _cuda_device_count()
+        note = f"trainer.devices={devices}: {count} visible GPU(s) assumed; set trainer.devices=N to plan for N"
+    return max(1, count) * nodes, note
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    except Exception:
+        return 1
+
+
+def _strategy_kind(trainer: DictConfig | dict) -> str:
+    """``fsdp2`` (sharded), ``ddp`` (replicated with gradient buckets) or ``single``."""
+    strategy = trainer.get("strategy")
+    target = strategy.get("_target_", "") if isinstance(strategy, dict | DictConfig) else str(strategy or "")
+    if "fsdp" in target.lower() or "modelparallel" in target.lower():
+        return "fsdp2"
+    if "ddp" in target.lower():
+        return "ddp"
+    return "single"
+
+
+def gpu_memory(cfg: DictConfig | None = None, gpu_memory_gib: float | None = None) -> tuple[int, str]:
+    """(bytes, where the figure came from): the argument, the ``gpu_memory_gib`` config key, the first
+    CUDA device, or the planning default."""
+    if gpu_memory_gib is not None:
+        return int(gpu_memory_gib * GIB), "--gpu-memory-gib"
+    value = OmegaConf.select(cfg, "gpu_memory_gib", default=None) if cfg is not None else None
+    if value is not None:
+        return int(float(value) * GIB), "gpu_memory_gib"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return int(props.total_memory), props.name
+    except Exception:  # no torch, or a broken driver: plan for the default
+        pass
+    return int(DEFAULT_GPU_MEMORY_GIB * GIB), f"planning default {DEFAULT_GPU_MEMORY_GIB:.0f} GiB (no GPU visible)"
+
+
+# ---------------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-GPU bytes of one run, item by item (all 0 when the architecture is unknown)."""
+
+    model: str
+    """model.path, or ``tiny``."""
+    architecture: Architecture | None
+    unknown_reason: str
+    """Why there is no estimate (``""`` when there is one)."""
+    strategy: str
+    """``fsdp2``, ``ddp`` or ``single``."""
+    world_size: int
+    precision: str
+    param_dtype: str
+    """Master weights, their gradients and AdamW's states."""
+    compute_dtype: str
+    micro_batch_size: int
+    sequence_tokens: int
+    """env.max_prompt_tokens + rollout.max_new_tokens: the longest row of a micro-batch."""
+    head_positions: int
+    """Positions the LM head runs at in one micro-batch."""
+    gradient_checkpointing: bool
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered: int
+    """Unsharded copies while computing (FSDP2) or DDP's gradient buckets."""
+    activations: int
+    logits: int
+    reference: int
+    """The frozen reference policy (KL penalty on)."""
+    vllm: int
+    """vLLM's share of the GPU (0 with the transformers backend)."""
+    vllm_weights: int
+    """vLLM's own copy of the weights, which must fit inside its share."""
+    entropy_bonus: bool
+    """algorithm.entropy_coef > 0: the logits' float32 log-softmax kept twice."""
+    margin: int
+    gpu_memory: int
+    gpu_memory_source: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def training(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.gathered + self.activations + self.logits + self.reference
+
+    @property
+    def total(self) -> int:
+        return self.training + self.vllm + self.margin
+
+    @property
+    def sharded_state(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+    @property
+    def warnings(self) -> list[str]:
+        """What will not fit, each with the settings that bring it down."""
+        if self.architecture is None:
+            return []
+        out = []
+        if self.total > self.gpu_memory:
+            out.append(f"memory plan: about {_gib(self.total)} GiB per GPU needed, the GPU has {_gib(self.gpu_memory)} GiB; "
+                       f"ways down: {'; '.join(self._remedies())}")
+        if self.vllm and self.vllm < self.vllm_weights:
+            out.append(f"memory plan: rollout.vllm.gpu_memory_utilization gives vLLM {_gib(self.vllm)} GiB, less than its "
+                       f"{_gib(self.vllm_weights)} GiB of weights (it also needs KV cache): raise it")
+        return out
+
+    def _remedies(self) -> list[str]:
+        out = []
+        if self.strategy == "fsdp2":
+            rest = self.gpu_memory - (self.total - self.sharded_state)
+            full = self.sharded_state * self.world_size
+            if rest > 0:
+                need = -(-full // rest)
+                out.append(f"more devices: trainer.devices x trainer.num_nodes >= {need} (now {self.world_size}; "
+                           f"weights, gradients and AdamW states take {_gib(self.sharded_state)} GiB)")
+        else:
+            out.append(f"trainer=fsdp shards weights, gradients and AdamW states ({_gib(self.sharded_state)} GiB) over the devices")
+        if self.micro_batch_size > 1:
+            out.append(f"a smaller optim.micro_batch_size (now {self.micro_batch_size}; activations and logits "
+                       f"take {_gib(self.activations + self.logits)} GiB, proportional to it)")
+        if not self.gradient_checkpointing:
+            out.append("model.gradient_checkpointing=true (keeps one layer's activations instead of all)")
+        if self.vllm:
+            out.append(f"a lower rollout.vllm.gpu_memory_utilization (vLLM takes {_gib(self.vllm)} GiB; it needs "
+                       f"{_gib(self.vllm_weights)} GiB for weights plus KV cache)")
+        if self.reference:
+            out.append(f"algorithm.kl_coef=0 drops the reference copy ({_gib(self.reference)} GiB)")
+        return out
+
+    @property
+    def _entropy_note(self) -> str:
+        return ", entropy bonus" if self.entropy_bonus else ""
+
+    def report(self) -> str:
+        """The table printed before training: one line per item, GiB per GPU."""
+        if self.architecture is None:
+            return f"memory plan: no estimate for {self.model}: {self.unknown_reason}"
+        a = self.architecture
+        shard = f"sharded /{self.world_size}" if self.strategy == "fsdp2" else "whole on each device"
+        how = {"fsdp2": f"FSDP2 over {self.world_size} device(s)", "ddp": f"DDP over {self.world_size} device(s)",
+               "single": "one device"}[self.strategy]
+        if self.strategy == "fsdp2":
+            gathered = "FSDP2 unsharded: root + 2 layers, with gradients"
+        elif self.strategy == "ddp":
+            gathered = "DDP gradient buckets"
+        else:
+            gathered = "nothing gathered"
+        ckpt = "checkpointed" if self.gradient_checkpointing else "no checkpointing"
+        rows = [
+            (f"weights ({self.param_dtype}, {shard})", self.weights),
+            (f"gradients ({self.param_dtype}, {shard})", self.gradients),
+            (f"AdamW states (2 x {self.param_dtype}, {shard})", self.optimizer),
+            (gathered, self.gathered),
+            (f"activations ({ckpt}, {self.micro_batch_size} x {self.sequence_tokens} tokens)", self.activations),
+            (f"LM-head logits ({self.head_positions} positions x {a.vocab_size} vocab{self._entropy_note})", self.logits),
+        ]
+        if self.reference:
+            rows.append((f"reference policy (KL penalty, {self.param_dtype}, whole)", self.reference))
+        if self.vllm:
+            rows.append((f"vLLM share (its weights: {_gib(self.vllm_weights)} GiB)", self.vllm))
+        rows.append(("margin: CUDA context, NCCL, fragmentation", self.margin))
+        width = max(len(r[0]) for r in rows) + 2
+        lines = [f"memory plan per GPU: {self.model} ({a.parameters / 1e9:.2f}B parameters, {a.source}), {how}, "
+                 f"precision {self.precision} "
+                 f"(compute {self.compute_dtype})"]
+        lines += [f"  {label:<{width}}{_gib(value):>8} GiB" for label, value in rows]
+        verdict = "fits" if self.total <= self.gpu_memory else "DOES NOT FIT"
+        lines.append(f"  {'total':<{width}}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB "
+                     f"({self.gpu_memory_source}): {verdict}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _gib(n: int | float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryPlan:
+    """The per-GPU memory plan of the composed config ``cfg`` (reads it only: nothing is loaded)."""
+    model_cfg, trainer = cfg.model, cfg.trainer
+    arch, unknown = architecture_of(model_cfg)
+    world, world_note = _world_size(trainer)
+    strategy = _strategy_kind(trainer)
+    if strategy == "single" and world > 1:
+        strategy = "ddp"  # Lightning's default for several devices
+    precision = _precision(trainer.get("precision", "32-true"))
+    model_dtype = str(model_cfg.get("dtype", "float32"))
+    param_dtype, compute_dtype = _param_and_compute_dtype(precision, model_dtype, arch.checkpoint_dtype if arch else "float32")
+    micro = int(cfg.optim.micro_batch_size)
+    new_tokens = int(cfg.rollout.max_new_tokens)
+    seq = int(cfg.env.get("max_prompt_tokens", 1024)) + new_tokens
+    # Under FSDP2 the trainer calls the whole sharded model (its root gathers embeddings and head only
+    # when called itself), so the head runs at every position, not only before action tokens.
+    head_positions = micro * (seq if strategy == "fsdp2" else new_tokens)
+    checkpointing = bool(model_cfg.get("gradient_checkpointing", False))
+    gpu_bytes, gpu_source = gpu_memory(cfg, gpu_memory_gib)
+    rollout = cfg.rollout
+    vllm_cfg = rollout.get("vllm") or {}
+    uses_vllm = rollout.get("backend", "hf") == "vllm"
+    lora_note = "model.lora is set: gradients and AdamW states are counted for every weight (an upper bound)" \
+        if model_cfg.get("lora") else ""
+    notes = tuple(n for n in (world_note, lora_note) if n)
+    common = dict(model=str(model_cfg.get("path") or "tiny"), architecture=arch, unknown_reason=unknown, strategy=strategy,
+                  world_size=world, precision=precision, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                  micro_batch_size=micro, sequence_tokens=seq, head_positions=head_positions,
+                  gradient_checkpointing=checkpointing, gpu_memory=gpu_bytes, gpu_memory_source=gpu_source, notes=notes)
+    if arch is None:
+        return MemoryPlan(**common, weights=0, gradients=0, optimizer=0, gathered=0, activations=0, logits=0, reference=0,
+                          vllm=0, vllm_weights=0, entropy_bonus=False, margin=0)
+    pb, cb = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
+    shards = world if strategy == "fsdp2" else 1
+    params = arch.parameters
+    if strategy == "fsdp2":
+        # root params and grads stay whole through forward and backward; two layers' params
+        # (computing + prefetched) and one layer's gradient before its reduce-scatter
+        gathered = (2 * arch.root_parameters + 3 * arch.layer_parameters) * pb
+    elif strategy == "ddp":
+        gathered = params * pb  # gradient buckets: a second copy of every gradient
+    else:
+        gathered = 0
+    tokens = micro * seq
+    layer_acts = tokens * arch.activation_elements_per_token * cb
+    if checkpointing:  # each layer's input kept; one layer recomputed in backward, with its gradients
+        activations = arch.num_layers * tokens * arch.hidden_size * cb + 2 * layer_acts
+    else:
+        activations = arch.num_layers * layer_acts
+    # the head's output and its gradient in the compute dtype at every position it runs at; at the action
+    # positions the float32 copy the log-softmax keeps and its gradient, and with the entropy bonus the
+    # float32 log-softmax and probabilities its backward needs, and their gradient
+    actions = micro * new_tokens
+    entropy = float(OmegaConf.select(cfg, "algorithm.entropy_coef", default=0.0) or 0.0) > 0
+    logits = arch.vocab_size * (head_positions * 2 * cb + actions * (4 + 4) + (actions * 3 * 4 if entropy else 0))
+    kl = float(OmegaConf.select(cfg, "algorithm.kl_coef", default=0.0) or 0.0)
+    reference = params * pb if kl > 0 else 0
+    vllm_dtype = str(vllm_cfg.get("dtype", "auto"))
+    vllm_dtype = arch.checkpoint_dtype if vllm_dtype == "auto" else vllm_dtype
+    vllm = int(float(vllm_cfg.get("gpu_memory_utilization", 0.5)) * gpu_bytes) if uses_vllm else 0
+    return MemoryPlan(
+        **common,
+        weights=-(-params * pb // shards),
+        gradients=-(-params * pb // shards),
+        optimizer=-(-params * ADAM_STATES * pb // shards),
+        gathered=gathered,
+        activations=activations,
+        logits=logits,
+        reference=reference,
+        vllm=vllm,
+        vllm_weights=params * DTYPE_BYTES.get(vllm_dtype, 2) if uses_vllm else 0,
+        entropy_bonus=entropy,
+        margin=RUNTIME_MARGIN_BYTES,
+    )
+
+
+def _is_rank_zero() -> bool:
+    return all(os.environ.get(v, "0") == "0" for v in ("RANK", "LOCAL_RANK", "SLURM_PROCID"))
+
+
+def print_memory_plan(cfg: DictConfig, *, force: bool = False, gpu_memory_gib: float | None = None) -> MemoryPlan | None:
+    """Print the plan (rank 0) and log its warnings, for runs that target GPUs (or always with ``force``).
+
+    Runs on CPU get no plan: GPU memory means nothing to them. Returns the plan, or None when skipped.
+    """
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_available())
+    if not (force or on_gpu):
+        return None
+    plan = plan_memory(cfg, gpu_memory_gib)
+    if _is_rank_zero():
+        print(plan.report(), flush=True)
+        for warning in plan.warnings:
+            log.warning(warning)
+    return plan
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def compose_config(overrides: list[str], config_dir: str | Path | None = None) -> DictConfig:
+    """The run's config as train.py composes it (``+experiment=X`` means ``experiment=X`` there too)."""
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(config_dir) if config_dir else Path(__file__).resolve().parents[1] / "conf"
+    if not (conf / "config.yaml").is_file():
+        raise FileNotFoundError(f"no Hydra config at {conf}/config.yaml: pass --config-dir <repo>/conf")
+    overrides = [o.replace("+experiment=", "experiment=", 1) if o.startswith("+experiment=") else o for o in overrides]
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m agentopsd.memory",
+        description="Print the per-GPU memory plan of a training config (nothing is loaded). "
+                    "Other arguments are Hydra overrides, as for train.py.",
+    )
+    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="plan for this much GPU memory per device")
+    parser.add_argument("--config-dir", default=None, help="the Hydra config folder (default: the repository's conf/)")
+    args, overrides = parser.parse_known_args(argv)
+    plan = plan_memory(compose_config(overrides, args.config_dir), args.gpu_memory_gib)
+    print(plan.report())
+    for warning in plan.warnings:
+        print(f"WARNING: {warning}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
