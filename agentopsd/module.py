@@ -243,13 +243,21 @@ class AgentRLModule(L.LightningModule):
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
             with torch.no_grad():
+                scored = 0.0
+                backend_gap = None
                 if self.rollout_cfg.recompute_old_logprobs:
+                    behaviour = rb.old_logprobs
                     rb.old_logprobs = self.action_logprobs(rb, "student")
+                    # how far the generator's log-probs (vLLM kernels) are from the training forward's
+                    backend_gap = (behaviour - rb.old_logprobs)[rb.action_mask].abs()
+                    scored += float(rb.attention_mask.sum())
                 rb.student_logprobs = rb.old_logprobs
                 if self.algorithm.needs_teacher:
                     rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
+                    scored += float(rb.teacher_attention_mask.sum())
                 if self.ref_model is not None:
                     rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
+                    scored += float(rb.attention_mask.sum())
             t_teacher = time.perf_counter() - t0
             if self.stop_request.agreed():  # before the update, the longest phase: abandon now
                 raise Preempted(self.stop_request.signal_name, batch.iteration, update_done=False)
@@ -260,6 +268,10 @@ class AgentRLModule(L.LightningModule):
         self.rollout_metrics = self._rollout_metrics(trajectories, collector)
         # faulted trajectories are left out of the update: this says how many were used
         self.rollout_metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
+        self.rollout_metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
+        if backend_gap is not None and backend_gap.numel():
+            self.rollout_metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
+            self.rollout_metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
         return rb
 
     @staticmethod
@@ -463,6 +475,8 @@ class AgentRLModule(L.LightningModule):
         metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(self.phase_seconds["update"], 1e-9)
         metrics.update(self.rollout_metrics)
+        if self.device.type == "cuda":  # rollout, scoring and update so far (vLLM's engine not included)
+            metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return metrics, torch.tensor(sum(losses) / max(len(losses), 1))
 
     def _logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, Tensor]:
