@@ -18,7 +18,8 @@ What it counts, per GPU (bytes; printed in GiB):
   keeps and its gradient (and, with ``algorithm.entropy_coef > 0``, the entropy's float32 log-softmax,
   probabilities and gradient). The trainer runs the head only at action positions, except under FSDP2,
   where it calls the whole sharded model and the head runs at every position (rows x sequence length);
-- a frozen reference copy of the policy when ``algorithm.kl_coef > 0`` (never sharded);
+- a frozen reference copy of the policy when ``algorithm.kl_coef > 0``, in the dtype the weights load in
+  (``model.dtype``), sharded like the policy under FSDP2;
 - vLLM's share, ``rollout.vllm.gpu_memory_utilization`` x the GPU's memory (its weights, KV cache and
   activations all live inside it), and a fixed margin for the CUDA context, NCCL and fragmentation.
 
@@ -178,8 +179,9 @@ def _precision(value: Any) -> str:
 
 
 def _param_and_compute_dtype(precision: str, model_dtype: str, checkpoint_dtype: str) -> tuple[str, str]:
-    """(master-weight dtype, compute dtype). ``*-true`` converts the module; ``*-mixed`` autocasts and keeps
-    whatever dtype the weights were loaded in (``model.dtype``)."""
+    """(master-weight dtype, compute dtype). ``*-true`` converts the module; under every other precision the
+    trainer upcasts half-precision weights to float32 master weights (``AgentRLModule.configure_model``)
+    and ``*-mixed`` computes in the half dtype."""
     if precision == "bf16-true":
         return "bfloat16", "bfloat16"
     if precision == "16-true":
@@ -187,8 +189,8 @@ def _param_and_compute_dtype(precision: str, model_dtype: str, checkpoint_dtype:
     if precision == "64-true":
         return "float64", "float64"
     loaded = checkpoint_dtype if model_dtype == "auto" else model_dtype
-    if loaded not in DTYPE_BYTES:
-        loaded = "float32"
+    if loaded not in DTYPE_BYTES or loaded in ("bfloat16", "float16"):
+        loaded = "float32"  # the float32 master copy
     if precision == "bf16-mixed":
         return loaded, "bfloat16"
     if precision == "16-mixed":
@@ -374,7 +376,7 @@ class MemoryPlan:
             (f"LM-head logits ({self.head_positions} positions x {a.vocab_size} vocab{self._entropy_note})", self.logits),
         ]
         if self.reference:
-            rows.append((f"reference policy (KL penalty, {self.param_dtype}, whole)", self.reference))
+            rows.append(("reference policy (KL penalty, frozen, sharded like the policy)", self.reference))
         if self.vllm:
             rows.append((f"vLLM share (its weights: {_gib(self.vllm_weights)} GiB)", self.vllm))
         rows.append(("margin: CUDA context, NCCL, fragmentation", self.margin))
@@ -450,7 +452,9 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     entropy = float(OmegaConf.select(cfg, "algorithm.entropy_coef", default=0.0) or 0.0) > 0
     logits = arch.vocab_size * (head_positions * 2 * cb + actions * (4 + 4) + (actions * 3 * 4 if entropy else 0))
     kl = float(OmegaConf.select(cfg, "algorithm.kl_coef", default=0.0) or 0.0)
-    reference = params * pb if kl > 0 else 0
+    model_dtype_loaded = arch.checkpoint_dtype if model_dtype == "auto" else model_dtype
+    ref_bytes = DTYPE_BYTES.get(param_dtype if precision in ("bf16-true", "16-true") else model_dtype_loaded, 4)
+    reference = -(-params * ref_bytes // shards) if kl > 0 else 0
     vllm_dtype = str(vllm_cfg.get("dtype", "auto"))
     vllm_dtype = arch.checkpoint_dtype if vllm_dtype == "auto" else vllm_dtype
     vllm = int(float(vllm_cfg.get("gpu_memory_utilization", 0.5)) * gpu_bytes) if uses_vllm else 0

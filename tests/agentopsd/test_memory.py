@@ -74,22 +74,21 @@ def test_the_7b_arithmetic_by_hand() -> None:
     # probabilities and gradient (12 bytes)
     actions = 4 * 512
     assert plan.logits == vocab * (tokens * 2 * 2 + actions * 8 + actions * 12) == 12_457_082_880
-    assert plan.reference == params * 4 == 30_462_466_048  # the frozen float32 copy, whole on every GPU
+    assert plan.reference == params * 4 // 8 == 3_807_808_256  # the frozen copy as loaded (float32), sharded like the policy
     assert plan.vllm == int(0.4 * 80 * GIB)  # rollout.vllm.gpu_memory_utilization 0.4
     assert plan.vllm_weights == params * 2  # vLLM's bf16 copy
     assert plan.margin == 2 * GIB
-    expected_total = (3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 12_457_082_880 + 30_462_466_048
+    expected_total = (3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 12_457_082_880 + 3_807_808_256
                       + int(0.4 * 80 * GIB) + 2 * GIB)
     assert plan.total == expected_total
-    assert round(plan.total / GIB, 2) == 104.55
-    (warning,) = plan.warnings  # the unsharded reference copy alone is 28.37 GiB
-    assert "algorithm.kl_coef=0 drops the reference copy (28.37 GiB)" in warning
+    assert round(plan.total / GIB, 2) == 79.72
+    assert plan.warnings == []  # fits, narrowly
     report = plan.report()
-    assert "7.62B parameters" in report and "FSDP2 over 8 device(s)" in report and "104.55 GiB of 80.00 GiB" in report
-    # without the reference copy it fits
-    no_kl = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed",
-                                        "model.dtype=float32", "algorithm.kl_coef=0", "algorithm.entropy_coef=0.001"]), 80)
-    assert no_kl.total == expected_total - 30_462_466_048 and no_kl.warnings == []
+    assert "7.62B parameters" in report and "FSDP2 over 8 device(s)" in report and "79.72 GiB of 80.00 GiB" in report
+    # the shipped setting loads bf16 weights: the reference copy is bf16, the master weights float32
+    shipped = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8"]), 80)
+    assert shipped.param_dtype == "float32" and shipped.reference == params * 2 // 8
+    assert shipped.total == expected_total - 3_807_808_256 + params * 2 // 8
 
 
 def test_bf16_true_halves_the_state_and_ddp_shards_nothing() -> None:
@@ -107,9 +106,9 @@ def test_bf16_true_halves_the_state_and_ddp_shards_nothing() -> None:
     [
         ("bf16-true", "float32", ("bfloat16", "bfloat16")),
         ("bf16-mixed", "float32", ("float32", "bfloat16")),
-        ("bf16-mixed", "bfloat16", ("bfloat16", "bfloat16")),  # mixed precision keeps the loaded dtype
+        ("bf16-mixed", "bfloat16", ("float32", "bfloat16")),  # bf16 weights are upcast to float32 master weights
         ("32-true", "float32", ("float32", "float32")),
-        ("32-true", "auto", ("bfloat16", "bfloat16")),  # Qwen2.5 checkpoints ship bf16
+        ("32-true", "auto", ("float32", "float32")),  # Qwen2.5 checkpoints ship bf16; upcast for training
     ],
 )
 def test_precision_and_model_dtype(precision: str, dtype: str, expected: tuple[str, str]) -> None:
