@@ -16,8 +16,7 @@ What it counts, per GPU (bytes; printed in GiB):
 - the LM head's logits: ``vocab`` values and their gradient in the compute dtype per position the head
   runs at, plus at the action positions (rows x ``max_new_tokens``) the float32 copy the log-softmax
   keeps and its gradient (and, with ``algorithm.entropy_coef > 0``, the entropy's float32 log-softmax,
-  probabilities and gradient). The trainer runs the head only at action positions, except under FSDP2,
-  where it calls the whole sharded model and the head runs at every position (rows x sequence length);
+  probabilities and gradient). The trainer runs the head only at action positions (rows x ``max_new_tokens``), sharded or not;
 - a frozen reference copy of the policy when ``algorithm.kl_coef > 0``, in the dtype the weights load in
   (``model.dtype``), sharded like the policy under FSDP2;
 - vLLM's share, ``rollout.vllm.gpu_memory_utilization`` x the GPU's memory (its weights, KV cache and
@@ -410,9 +409,8 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     micro = int(cfg.optim.micro_batch_size)
     new_tokens = int(cfg.rollout.max_new_tokens)
     seq = int(cfg.env.get("max_prompt_tokens", 1024)) + new_tokens
-    # Under FSDP2 the trainer calls the whole sharded model (its root gathers embeddings and head only
-    # when called itself), so the head runs at every position, not only before action tokens.
-    head_positions = micro * (seq if strategy == "fsdp2" else new_tokens)
+    # the head runs only before action tokens (a sharded model's whole call passes them as logits_to_keep)
+    head_positions = micro * new_tokens
     checkpointing = bool(model_cfg.get("gradient_checkpointing", False))
     gpu_bytes, gpu_source = gpu_memory(cfg, gpu_memory_gib)
     rollout = cfg.rollout

@@ -73,6 +73,28 @@ def upcast_half_params(model: nn.Module) -> bool:
     return True
 
 
+def whole_model_action_logits(model: nn.Module, ids: Tensor, attn: Tensor, source: Tensor) -> Tensor:
+    """Logits at the ``source`` positions ``[n, V]`` (row-major) from a call of the whole model.
+
+    A sharded model must be called whole (its root gathers embeddings and head only then), which
+    would run the LM head at every position: for 4 rows x 2,560 tokens of Qwen2.5-7B that is 6 GB of
+    logits and gradients where the action positions need 1.2 GB. transformers' ``logits_to_keep``
+    with a boolean mask runs the head at the marked positions only.
+    """
+    if _logits_to_keep_takes_masks(model):
+        return model(input_ids=ids, attention_mask=attn, logits_to_keep=source).logits
+    return model(input_ids=ids, attention_mask=attn).logits[source]
+
+
+def _logits_to_keep_takes_masks(model: nn.Module) -> bool:
+    import inspect
+
+    import transformers.modeling_utils as mu
+
+    # the boolean-mask form arrived with slice_logits_to_keep; older versions take an int only
+    return hasattr(mu, "slice_logits_to_keep") and "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 class AgentRLModule(L.LightningModule):
     """GRPO-family RL of a causal LM agent in a Gymnasium text environment."""
 
@@ -322,7 +344,7 @@ class AgentRLModule(L.LightningModule):
                       else hidden_at(decoder, ids, attn, source))
             logits = head(hidden)
         else:
-            logits = model(input_ids=ids, attention_mask=attn).logits[source]
+            logits = whole_model_action_logits(model, ids, attn, source)
         return logits, ids[amask]
 
     def _decoder_and_head(self, model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:

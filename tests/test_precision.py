@@ -72,3 +72,27 @@ def test_one_process_trains_at_half_precision(precision, tmp_path):
     assert len(rows) == 1
     # on-policy: the first mini-batch's ratio is 1 up to bf16 rounding of the forward
     assert float(rows[0]["loss/first_ratio_dev"]) < 0.05
+
+
+def test_whole_model_call_runs_the_head_at_action_positions_only():
+    import transformers
+
+    from agentopsd.module import _logits_to_keep_takes_masks, whole_model_action_logits
+
+    config = transformers.Qwen2Config(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    assert _logits_to_keep_takes_masks(model)
+    ids = torch.randint(0, 97, (3, 9))
+    attn = torch.ones_like(ids)
+    attn[2, 6:] = 0  # a right-padded row
+    source = torch.zeros_like(ids, dtype=torch.bool)
+    source[0, 4:8], source[1, 2:5], source[2, 3:6] = True, True, True
+    calls = []
+    model.lm_head.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))
+    with torch.no_grad():
+        picked = whole_model_action_logits(model, ids, attn, source)
+        full = model(input_ids=ids, attention_mask=attn).logits[source]
+    assert torch.allclose(picked, full, atol=1e-5)
+    assert calls[0][-2] == int(source.sum())  # the head saw the 10 action positions, not 27

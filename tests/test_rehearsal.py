@@ -10,7 +10,8 @@ master weights, bf16 compute, on CPU); ``trainer=fsdp`` with 2 processes (FSDP2 
 turn limit, history window and 512-token turns; the KL reference model and entropy bonus; the
 teacher view with the skill bank. What shrinks: the model (hidden 128, 2 layers, ~20M parameters,
 most of them the 151,669-token embedding) and the batch counts (2 tasks x 2 copies, one
-evaluation task). Rollouts here use the transformers backend (``rollout=hf``) in the main
+evaluation task). Rollouts here use the transformers backend (``rollout.backend=hf``: the experiment's
+other rollout settings stay) in the main
 virtualenv; the experiments' vLLM backend is rehearsed on its own in ``test_vllm_rehearsal``
 (the community CPU build, one process: two CPU engines beside two training processes do not fit
 this machine's two cores in a test's time).
@@ -107,18 +108,18 @@ def test_paper_experiment_rehearsal(family, qwen_folder, tmp_path):
     if family == "alfworld":
         pytest.importorskip("alfworld")
     experiment = f"{family}_3b"
-    cfg = _resolve(cfg_for(f"experiment={experiment}", f"model.path={qwen_folder}", *SHRINK, "trainer.devices=2", "rollout=hf"))
+    cfg = _resolve(cfg_for(f"experiment={experiment}", f"model.path={qwen_folder}", *SHRINK, "trainer.devices=2", "rollout.backend=hf"))
     # what the rehearsal keeps from the experiment
     assert cfg.trainer.strategy._target_.endswith("FSDP2Strategy") and cfg.trainer.precision == "bf16-mixed"
     assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
     assert cfg.rollout.max_new_tokens == 512 and cfg.algorithm.kl_coef > 0
-    rows = _rehearse(sys.executable, experiment, qwen_folder, tmp_path / family, ["trainer.devices=2", "rollout=hf"])
+    rows = _rehearse(sys.executable, experiment, qwen_folder, tmp_path / family, ["trainer.devices=2", "rollout.backend=hf"])
     trained = _iteration_rows(rows)
     assert [int(float(r["rollout/iteration"])) for r in trained] == [1, 2]  # one before the stop, one after the resume
     for row in trained:
         assert float(row["rollout/turns"]) <= cfg.env.max_turns
         assert float(row["loss/first_ratio_dev"]) < 0.1  # on-policy up to bf16 rounding of the forward
-        assert float(row["perf/teacher_seconds"]) > 0  # the skill-augmented teacher view was scored
+        assert float(row["perf/teacher_tokens_per_s"]) > 0  # the skill-augmented teacher view (and the KL reference) scored
     assert any(r.get("eval/success") for r in rows)
 
 
@@ -157,3 +158,6 @@ def test_vllm_rehearsal(qwen_folder, tmp_path):
     trained = _iteration_rows(rows)
     assert [int(float(r["rollout/iteration"])) for r in trained] == [1, 2]
     assert all(float(r["rollout/turns"]) > 0 for r in trained)
+    # the experiment recomputes the behaviour log-probs with the training forward; how far vLLM's were is logged
+    gaps = [float(r["rollout/logprob_diff_mean"]) for r in trained]
+    assert all(0 <= g < 1.0 for g in gaps), gaps
