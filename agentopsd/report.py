@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # headless: the report is written on servers and CI machi
 import matplotlib.pyplot as plt  # noqa: E402
 import webdataset as wds  # noqa: E402
 import yaml  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PRIOR_CLIP = 1e-4  # the success prior's clip: an all-won group starts at B_0 = 1 - 1e-4
 REPO = Path(__file__).resolve().parents[1]
@@ -140,6 +141,8 @@ def plot_learning_curve(rows: list[dict[str, float]], path: Path, info: RunInfo)
     x, y = series(rows, "rollout/reward")
     ax[1].plot(x, y, color="tab:green")
     ax[1].set(xlabel="completed RL iterations", ylabel="mean episode reward (training rollouts)", title="Reward")
+    for a in ax:  # iterations are whole numbers
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(info.label, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
