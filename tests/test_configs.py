@@ -219,3 +219,9 @@ def test_train_sets_threads_before_torch_unless_the_user_did(user_env):
     policy, threads, torch_threads = out.stdout.split()
     want = (user_env.get("OMP_WAIT_POLICY", "PASSIVE"), user_env.get("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1))))
     assert (policy, threads) == want and torch_threads == threads  # torch took the value: it was set before torch loaded
+
+
+def test_a_refused_swap_names_the_experiments_made_for_that_option():
+    with pytest.raises(ConfigError) as err:
+        check_group_swaps("babyai_tiny", ["env=webshop"], CONF)
+    assert "experiment=webshop_tiny" in str(err.value) and "env.max_turns" in str(err.value)
