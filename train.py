@@ -15,11 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-# Before torch loads its OpenMP runtime (lightning imports torch below). OpenMP threads that spin
-# while they wait for work slowed 3 quickstart iterations from 30 s to 66 s beside one busy process
-# on a 2-core machine (44 s waiting passively). The user's own environment wins.
+# Before torch loads its OpenMP runtime (lightning imports torch below): OpenMP threads that spin while
+# they wait for work fight any other process for the cores. 3 quickstart iterations beside one busy
+# process on a loaded 2-core machine: 418 s spinning (2 threads), 23 s waiting passively (2 threads),
+# 36 s with 1 thread (benchmarks/shared_cpu.py). The tiny model gains nothing past a few threads.
+# Values already in the user's environment win.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("OMP_NUM_THREADS", os.environ.get("AGENTOPSD_THREADS", str(min(4, os.cpu_count() or 1))))
+os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer forks nothing here; silences its warning
 
 import hydra

@@ -22,6 +22,7 @@ matplotlib.use("Agg")  # headless: the report is written on servers and CI machi
 import matplotlib.pyplot as plt  # noqa: E402
 import webdataset as wds  # noqa: E402
 import yaml  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 PRIOR_CLIP = 1e-4  # the success prior's clip: an all-won group starts at B_0 = 1 - 1e-4
 REPO = Path(__file__).resolve().parents[1]
@@ -140,6 +141,8 @@ def plot_learning_curve(rows: list[dict[str, float]], path: Path, info: RunInfo)
     x, y = series(rows, "rollout/reward")
     ax[1].plot(x, y, color="tab:green")
     ax[1].set(xlabel="completed RL iterations", ylabel="mean episode reward (training rollouts)", title="Reward")
+    for a in ax:  # iterations are whole numbers
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(info.label, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -222,7 +225,7 @@ def credit_caption(record: dict, lam: float | None) -> str:
         b0 = 1 - PRIOR_CLIP if record["success"] else PRIOR_CLIP
         text += (f" Here every copy of the task {'won' if record['success'] else 'lost'}: the group's success prior B_0 = {b0:.4f} is "
                  "saturated, so the teacher's evidence barely moves the belief (revisions near 0), and A_seq = 0 gives every "
-                 "turn a zero advantage whatever w_k.")
+                 "turn a zero advantage from the outcome whatever w_k (a turn's format or action penalty still applies).")
     return text
 
 
@@ -297,7 +300,7 @@ def _summary(rows: list[dict[str, float]]) -> str:
 
 def write_report(run_dir: str | Path, config: dict | None = None) -> Path:
     """Write ``run_dir/report/`` (figures and ``index.html``); ``config``: the run's resolved config."""
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).resolve()  # runs/<name>/latest names the run by its own folder
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     info = run_info(run_dir, config)
@@ -311,8 +314,9 @@ def write_report(run_dir: str | Path, config: dict | None = None) -> Path:
     sections = []
     for i, rec in enumerate(pick_credit_examples(records)):
         plot_credit(rec, out / f"credit_{i}.png", info, lam)
-        task = html.escape(f"{rec['env']} task {rec['task_index']} ({rec['task_type']}), iteration {rec['iteration']}")
-        sections.append(f"<h3>{html.escape(credit_title(rec))} {task}: {'won' if rec['success'] else 'lost'}</h3>"
+        task = html.escape(f"{rec['env']} task {rec['task_index']} ({rec['task_type']}), iteration {rec['iteration']}: "
+                           f"{'won' if rec['success'] else 'lost'}, A_seq = {rec['seq_advantage']:.2f}")
+        sections.append(f"<h3>{html.escape(credit_title(rec))}</h3><p>{task}</p>"
                         f"<img src='credit_{i}.png'><p>{html.escape(credit_caption(rec, lam))}</p>{_credit_table(rec, lam)}")
     has_before = any("before" in v for v in table.values())
     horizon_rows = "".join(

@@ -189,6 +189,16 @@ def pinned_keys(experiment_yaml: Path) -> dict[str, list[str]]:
     return {g: sorted(body[g]) if isinstance(body[g], dict) else [] for g in SWAPPABLE if g in body}
 
 
+def experiments_choosing(group: str, option: str, conf_dir: Path) -> list[str]:
+    """The experiments whose defaults pick ``group=option`` (``- override /env: webshop``)."""
+    found = []
+    for path in sorted((conf_dir / "experiment").glob("*.yaml")):
+        defaults = OmegaConf.load(path).get("defaults") or []
+        if any(isinstance(d, DictConfig) and d.get(f"override /{group}") == option for d in defaults):
+            found.append(path.stem)
+    return found
+
+
 def check_group_swaps(experiment: str | None, overrides: list[str], conf_dir: Path) -> None:
     """Fail in one line when a swapped group would be mixed with values the experiment sets for it."""
     if not experiment:
@@ -200,9 +210,11 @@ def check_group_swaps(experiment: str | None, overrides: list[str], conf_dir: Pa
     for group, option in override_groups(overrides).items():
         if group in pinned:
             keys = ", ".join(f"{group}.{k}" for k in pinned[group]) or group
+            others = [e for e in experiments_choosing(group, option, conf_dir) if e != experiment]
+            instead = f", or an experiment made for it ({', '.join(f'experiment={e}' for e in others)})" if others else ""
             raise ConfigError(
                 f"{group}={option}: experiment={experiment} pins {group} ({keys}), which would be mixed into {group}={option}; "
-                f"add experiment=none to get {group}={option} as it is, or set those keys (e.g. {group}.<key>=...) instead of swapping"
+                f"add experiment=none to get {group}={option} as it is{instead}, or set those keys (e.g. {group}.<key>=...) instead of swapping"
             )
 
 

@@ -204,3 +204,25 @@ def test_an_env_swapped_onto_the_default_brings_its_id_skills_and_format(name):
 
 def test_command_line_keys_are_not_swaps():
     check_group_swaps("babyai_tiny", ["env.max_turns=3", "model.hidden_size=32", "+rollout.malformed_rate=0.1", "seed=1"], CONF)
+
+
+@pytest.mark.parametrize("user_env", [{}, {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "ACTIVE"}])
+def test_train_sets_threads_before_torch_unless_the_user_did(user_env):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, os; spec = importlib.util.spec_from_file_location('t', 'train.py'); "
+            "spec.loader.exec_module(importlib.util.module_from_spec(spec)); import torch; "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['OMP_NUM_THREADS'], torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")} | user_env
+    out = subprocess.run([sys.executable, "-c", code], cwd=CONF.parent, env=env, capture_output=True, text=True, timeout=300)
+    policy, threads, torch_threads = out.stdout.split()
+    want = (user_env.get("OMP_WAIT_POLICY", "PASSIVE"), user_env.get("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1))))
+    assert (policy, threads) == want and torch_threads == threads  # torch took the value: it was set before torch loaded
+
+
+def test_a_refused_swap_names_the_experiments_made_for_that_option():
+    with pytest.raises(ConfigError) as err:
+        check_group_swaps("babyai_tiny", ["env=webshop"], CONF)
+    assert "experiment=webshop_tiny" in str(err.value) and "env.max_turns" in str(err.value)
