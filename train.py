@@ -54,6 +54,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {err}", file=sys.stderr)  # one line naming the field and the fix
+        runs.remove_if_unused(output_dir)  # nothing ran: no folder left behind
         sys.exit(2)
     from agentopsd.memory import print_memory_plan
 

@@ -82,6 +82,11 @@ def test_train_py_fails_in_one_line(overrides, tmp_path):
     assert len(errors) == 1 and errors[0].startswith("error: "), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "checkpoints").exists()  # nothing ran
+    # without output_dir, the timestamped run folder Hydra made is removed again
+    runs_dir = tmp_path / "named"
+    proc = subprocess.run([sys.executable, "train.py", *overrides, f"runs_dir={runs_dir}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not runs_dir.exists()
     assert elapsed < 60  # imports and the checks: seconds, not a demonstration set and a warm start
     # the traceback stays one switch away
     env["HYDRA_FULL_ERROR"] = "1"
