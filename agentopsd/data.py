@@ -64,7 +64,7 @@ class TaskStream:
     """The object ``train_dataloader`` returns: sized, iterable, and stateful.
 
     Lightning saves loader state only for the object ``train_dataloader()`` returns and only when
-    it has ``state_dict``/``load_state_dict``; a ``__len__`` keeps the resume exact (DESIGN.md 4).
+    it has ``state_dict``/``load_state_dict``; a ``__len__`` keeps the resume exact.
     """
 
     def __init__(self, env_id: str, num_tasks: int, tasks_per_batch: int, group_size: int, num_iterations: int, seed: int) -> None:

@@ -1,6 +1,6 @@
 """The LightningModule: owns the policy, its two prompt views, rollouts and the update.
 
-Data flow of one iteration (DESIGN.md section 4): the loader yields a TaskBatch; in
+Data flow of one iteration: the loader yields a TaskBatch; in
 ``on_after_batch_transfer`` (right before the callbacks' ``on_train_batch_start``) the
 current weights roll out and, when the algorithm needs it, the teacher view scores the same
 action tokens; the CreditCallback writes the advantages; ``training_step`` runs PPO epochs

