@@ -1,4 +1,4 @@
-"""The credit module against DESIGN.md section 2: hand cases, a spec loop, properties."""
+"""The credit module against the paper's recursion: hand cases, a spec loop, properties."""
 
 from __future__ import annotations
 
