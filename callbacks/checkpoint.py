@@ -71,3 +71,10 @@ class IterationCheckpoint(L.Callback):
         done = pl_module.iteration + 1
         if done % self.every_n_iterations == 0 or done == pl_module.num_iterations:  # and at the end
             self.save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # a fit that stopped before num_iterations (trainer.max_steps, max_time, an early stop) keeps
+        # the iterations it trained since the last periodic checkpoint, and ckpt_path=last continues
+        done = int(getattr(pl_module, "iterations_done", 0))
+        if done and self.saved_at != done:
+            self.save(trainer)
