@@ -69,12 +69,8 @@ class IterationCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         done = pl_module.iteration + 1
-        if done % self.every_n_iterations == 0 or done == pl_module.num_iterations:  # and at the end
-            self.save(trainer)
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # a fit that stopped before num_iterations (trainer.max_steps, max_time, an early stop) keeps
-        # the iterations it trained since the last periodic checkpoint, and ckpt_path=last continues
-        done = int(getattr(pl_module, "iterations_done", 0))
-        if done and self.saved_at != done:
+        # a fit about to stop before num_iterations (trainer.max_steps, an early stop) saves too, here and
+        # not in on_train_end: there Lightning has closed the epoch, and a resume would train nothing
+        stopping = trainer.should_stop or 0 < (trainer.max_steps or -1) <= trainer.global_step
+        if done % self.every_n_iterations == 0 or done == pl_module.num_iterations or stopping:  # and at the end
             self.save(trainer)
