@@ -13,7 +13,7 @@ each run (``sync_weights`` empties it before every rollout in training). It also
 start and one ``sync_weights`` (the trainer pushes new weights before every rollout).
 
 One thread per side: the transformers side runs in this process with ``torch.set_num_threads(1)``,
-vLLM's engine in its worker process bound to one core (``VLLM_CPU_OMP_THREADS_BIND``, default 0).
+vLLM's engine in its worker process with ``OMP_NUM_THREADS`` threads, unpinned (``VLLM_CPU_OMP_THREADS_BIND=nobind``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-# Before vllm is imported: a small KV cache (the default takes GiBs), one core, no usage reporting.
+# Before vllm is imported: a small KV cache (the default takes GiBs), no usage reporting.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+# no core pinning: pinned to one core, the engine slowed down whenever another job ran there, while
+# the transformers side moved to the idler core; OMP_NUM_THREADS then sets its threads, as for torch
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -100,7 +100,9 @@ def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_po
     monkeypatch.setattr(module_mod, "hidden_at", lambda decoder, ids, *a, **k: calls.append(len(ids)) or real_hidden_at(decoder, ids, *a, **k))
     scored = module.action_logprobs(batch, "teacher")
     assert calls == [batch.num_rows]
-    with torch.no_grad():  # the gradient path's forward: whole rows, one micro-batch at a time
+    # whole rows, one micro-batch at a time: the gradient path's forward with prefix sharing off
+    with torch.no_grad(), monkeypatch.context() as plain_forward:
+        plain_forward.setattr(module_mod, "checkpointing", lambda decoder: True)
         plain = torch.cat([
             token_logprobs(*module._action_logits(batch.teacher_input_ids[s:s + 4], batch.teacher_attention_mask[s:s + 4],
                                                   batch.teacher_action_mask[s:s + 4]))
@@ -114,6 +116,37 @@ def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_po
     split = module.action_logprobs(batch, "teacher")
     assert calls == [1] * batch.num_rows
     assert torch.allclose(split, scored, atol=1e-5)
+
+
+def test_update_with_shared_prefixes_equals_the_plain_update(tiny_walk_policy, monkeypatch):
+    """Micro-batches ordered by prompt and shared prefixes in the gradient forward: the gradient the
+    optimizer gets is the plain path's (random micro-batches, whole rows), up to float rounding.
+    (Compared before the step: Adam's first step is lr * sign(g), which turns rounding noise in
+    near-zero gradients into lr-sized differences.)"""
+    import agentopsd.module as module_mod
+
+    module = make_module(tiny_walk_policy, algorithm=Algorithm(), ppo_epochs=1, num_mini_batches=1, micro_batch_size=2)
+    module.trainer = None
+    batch = module.rollout(_task_batch(0))
+    module.algorithm.assign(batch)
+    # any advantages will do (the test is about gradients), as long as they are not all zero
+    batch.advantages = torch.randn(batch.advantages.shape, generator=torch.Generator().manual_seed(0)) * batch.action_mask
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    opt = module.configure_optimizers()
+    module.optimizers, module.lr_schedulers = (lambda: opt["optimizer"]), (lambda: opt["lr_scheduler"]["scheduler"])
+    module.manual_backward = lambda loss: loss.backward()
+    for name in ("plain", "shared"):
+        with monkeypatch.context() as m:
+            m.setattr(module, "_optimizer_step", lambda *a, name=name: grads.setdefault(
+                name, {k: p.grad.clone() for k, p in module.model.named_parameters() if p.grad is not None}))
+            if name == "plain":
+                m.setattr(module_mod, "checkpointing", lambda decoder: True)
+                m.setattr(module_mod, "sharing_order", lambda ids, attn: torch.arange(ids.shape[0]))
+            module.update(batch, 0)
+    assert batch.num_rows > 2 and grads["plain"].keys() == grads["shared"].keys()
+    assert any(g.abs().max() > 0 for g in grads["plain"].values())
+    for k, g in grads["plain"].items():
+        torch.testing.assert_close(grads["shared"][k], g, atol=1e-6, rtol=1e-4, msg=k)
 
 
 def test_grpo_needs_no_teacher_forward(tiny_walk_policy):
