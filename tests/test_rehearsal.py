@@ -14,8 +14,8 @@ nearly all in the 151,669-token embedding and output head, untied as in Qwen2.5-
 evaluation task). Rollouts here use the transformers backend (``rollout.backend=hf``: the experiment's
 other rollout settings stay) in the main
 virtualenv; the experiments' vLLM backend is rehearsed on its own in ``test_vllm_rehearsal``
-(the community CPU build, one process: two CPU engines beside two training processes do not fit
-this machine's two cores in a test's time).
+(the community CPU build, in one process: with two, each rank's engine beside its training
+process, an engine worker was killed (-9) after five minutes on this 2-core, 24 GB machine).
 
 Each rehearsal trains one iteration, stops, then resumes from its checkpoint and trains the
 second, and checks what the run logged. The 7B experiment files differ from the 3B ones only in
