@@ -1,0 +1,124 @@
+"""scripts/quickstart_seeds.py: resume logic, rows read back from run logs, and the per-seed table (no training)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def qs():
+    spec = importlib.util.spec_from_file_location("quickstart_seeds", ROOT / "scripts" / "quickstart_seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_log(run_dir: Path, version: int, evals: dict[int, float], train: list[float]) -> None:
+    """A CSV log as Lightning's CSVLogger writes it: sparse rows, empty cells."""
+    keys = ["step", "rollout/success", "loss/grad_norm", "eval/iteration", "eval/success"]
+    path = run_dir / "csv" / f"version_{version}" / "metrics.csv"
+    path.parent.mkdir(parents=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for i, s in enumerate(train):
+            w.writerow({"step": i, "rollout/success": s, "loss/grad_norm": 0.5})
+        for it, s in evals.items():
+            w.writerow({"step": it, "eval/iteration": it, "eval/success": s})
+
+
+def test_a_resumed_runs_later_log_wins_and_finished_needs_the_final_evaluation(qs, tmp_path: Path) -> None:
+    _write_log(tmp_path, 0, {0: 0.0, 4: 0.2}, [0.1, 0.2])
+    assert not qs.is_finished(tmp_path, 16)
+    # version_10 sorts after version_2 by number, not by text
+    _write_log(tmp_path, 2, {4: 0.3}, [])
+    _write_log(tmp_path, 10, {4: 0.5, 16: 0.9}, [0.6])
+    assert qs.evaluations(qs.log_rows(tmp_path)) == {0: 0.0, 4: 0.5, 16: 0.9}
+    assert qs.is_finished(tmp_path, 16)
+
+
+def test_parse_seeds_ranges_and_lists(qs) -> None:
+    assert qs.parse_seeds(["0-3", "7", "2"]) == [0, 1, 2, 3, 7]
+    with pytest.raises(SystemExit, match="neither a seed nor a range"):
+        qs.parse_seeds(["a-b"])
+
+
+def test_bootstrap_interval_stays_inside_the_values(qs) -> None:
+    values = [0.0, 0.96, 0.97, 0.99, 1.0, 0.98, 0.95, 0.97, 0.96, 1.0]
+    lo, hi = qs.bootstrap_interval(values)
+    assert 0.0 <= lo < sum(values) / len(values) < hi <= 1.0
+    assert qs.bootstrap_interval([1.0] * 5) == (1.0, 1.0)
+
+
+def _fake_train(qs, monkeypatch, calls: list[list[str]], finish: bool) -> None:
+    """Stand in for train.py: record the command and write the log a finished (or cut short) run leaves."""
+    def run(cmd, cwd, stdout, stderr, env):
+        calls.append(cmd)
+        assert env["OMP_NUM_THREADS"] == "1"
+        run_dir = Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
+        version = len(list((run_dir / "csv").glob("version_*")))
+        _write_log(run_dir, version, {0: 0.0, 16: 0.9} if finish else {0: 0.0}, [0.25, 0.5])
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "last.ckpt").write_text("x")
+        if "/usr/bin/time" in cmd:
+            Path(cmd[cmd.index("-o") + 1]).write_text("2048000\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(qs.subprocess, "run", run)
+
+
+def test_run_one_skips_finished_resumes_cut_short_and_restarts_other_commits(qs, tmp_path: Path, monkeypatch) -> None:
+    calls: list[list[str]] = []
+    # cut short: the run fails without its final evaluation, its checkpoint stays
+    _fake_train(qs, monkeypatch, calls, finish=False)
+    with pytest.raises(RuntimeError, match="failed"):
+        qs.run_one("agentopsd", 3, tmp_path, tmp_path, "abc", 16, [])
+    assert "ckpt_path=last" not in calls[-1] and "seed=3" in calls[-1] and "algorithm=agentopsd" in calls[-1]
+    # the same command again goes on from the checkpoint
+    _fake_train(qs, monkeypatch, calls, finish=True)
+    row = qs.run_one("agentopsd", 3, tmp_path, tmp_path, "abc", 16, [])
+    assert "ckpt_path=last" in calls[-1] and len(calls) == 2
+    assert row["success_end"] == 0.9 and row["resumed"] == 1 and row["commit"] == "abc"
+    assert row["rollout_success_by_it"] == "0.25 0.5 0.25 0.5"  # both versions' iterations
+    # finished: read back, not trained again
+    assert qs.run_one("agentopsd", 3, tmp_path, tmp_path, "abc", 16, [])["success_end"] == 0.9 and len(calls) == 2
+    # a cut-short run of another commit starts over (keeping the warm start), with the warm start lent by seed
+    other = tmp_path / "runs" / "grpo-s3"
+    _write_log(other, 0, {0: 0.0}, [0.1])
+    (other / "checkpoints").mkdir()
+    (other / "checkpoints" / "last.ckpt").write_text("x")
+    (other / "meta.json").write_text(json.dumps({"commit": "old", "wall_s": 5.0}))
+    (tmp_path / "runs" / "agentopsd-s3" / "warm_start").mkdir(exist_ok=True)
+    (tmp_path / "runs" / "agentopsd-s3" / "warm_start" / "policy-1.pt").write_text("w")
+    row = qs.run_one("grpo", 3, tmp_path, tmp_path, "abc", 16, [])
+    assert "ckpt_path=last" not in calls[-1] and row["resumed"] == 0
+    assert (other / "warm_start" / "policy-1.pt").exists()
+    assert not (other / "csv" / "version_1").exists()  # the old commit's log went with the restart
+
+
+def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: Path) -> None:
+    def row(algorithm: str, seed: int, end: float) -> dict:
+        return {"seed": seed, "algorithm": algorithm, "commit": "0123456789abcdef", "iterations": 16,
+                "success_warm_start": 0.0, "success_end": end, "eval_it0": 0.0, "eval_it8": end / 2, "eval_it16": end,
+                "wall_s": 400.0 + seed, "peak_rss_mb": 1900.0, "resumed": 0}
+
+    rows = [row("grpo", 1, 0.5), row("agentopsd", 0, 0.96), row("agentopsd", 1, 0.04), row("grpo", 0, 0.81)]
+    qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "python scripts/quickstart_seeds.py --seeds 0-1")
+    table = (tmp_path / "table.md").read_text()
+    assert "| 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
+    assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 |" in table
+    assert "| agentopsd | 1 / 2 | 50 [4, 96] |" in table and "| grpo | 1 / 2 |" in table
+    assert "Commit: 0123456789ab" in table and "--seeds 0-1" in table
+    with (tmp_path / "runs.csv").open() as f:
+        read = list(csv.DictReader(f))
+    assert [(r["seed"], r["algorithm"]) for r in read] == [("0", "agentopsd"), ("0", "grpo"), ("1", "agentopsd"), ("1", "grpo")]
+    assert list(read[0])[:9] == ["seed", "algorithm", "commit", "iterations", "success_warm_start", "success_end",
+                                 "eval_it0", "eval_it8", "eval_it16"]
