@@ -2,6 +2,7 @@
 
     bash scripts/build_trl_env.sh       # once: TRL in .venv-trl, with this project and .venv's transformers
     OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-trl/bin/python benchmarks/peer_trl.py
+    .venv-trl/bin/python benchmarks/peer_trl.py --check-setup   # only: do both sides get the same work?
 
 **Single turn** (both trainers run it as it is): one decision of a BabyAI PickupObj task. The prompt
 is the task's first turn rendered by the project's PromptBuilder (the same chat messages, templated by
