@@ -135,5 +135,4 @@ runs.register_resolvers()  # before Hydra composes: output_dir is ${run_dir:...}
 
 if __name__ == "__main__":
     sys.argv = _accept_plus_experiment(sys.argv)
-    OmegaConf.register_new_resolver("eval", eval, replace=True)
     main()

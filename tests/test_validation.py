@@ -93,3 +93,16 @@ def test_train_py_fails_in_one_line(overrides, tmp_path):
     full = subprocess.run([sys.executable, "train.py", *overrides, f"output_dir={tmp_path}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+def test_a_config_value_cannot_run_code(tmp_path):
+    # no `eval`-like resolver is registered: an interpolation that would run Python is refused at once
+    marker = tmp_path / "ran"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "train.py", "experiment=babyai_tiny", f"output_dir={tmp_path / 'out'}",
+         f"+payload=${{eval:'open(\"{marker}\", \"w\")'}}", "num_iterations=1", "evaluation.num_tasks=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert not marker.exists()
+    assert proc.returncode != 0 and "eval" in (proc.stderr + proc.stdout)
