@@ -201,7 +201,7 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
     commits = sorted({r["commit"] for r in rows if r.get("commit")})
     eval_its = sorted({int(k[len("eval_it"):]) for r in rows for k in r if k.startswith("eval_it")})
     lines = [f"Quickstart (`python train.py`) over seeds: greedy evaluation success (%) on the fixed evaluation list "
-             f"tasks after 0 (the warm start) / {' / '.join(str(i) for i in eval_its if i)} RL iterations; "
+             f"after 0 (the warm start) / {' / '.join(str(i) for i in eval_its if i)} RL iterations; "
              f"wall time and peak memory (RSS) per run, two runs at a time with one thread each on a 2-core CPU.", "",
              f"Command: `{command_line}`  ", f"Commit: {', '.join(c[:12] for c in commits) or 'unknown'}", ""]
     head = ["seed"] + [f"{a}: {' → '.join(str(i) for i in eval_its)}" for a in algorithms] + [f"{a} s / MB" for a in algorithms]
@@ -229,6 +229,19 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
                      f"{statistics.fmean(walls):.0f} ({max(walls):.0f}) | {max(rss):.0f} |" if walls and rss else
                      f"| {a} | {sum(e >= TARGET for e in ends)} / {len(ends)} | {_pct(statistics.fmean(ends))} "
                      f"[{_pct(lo)}, {_pct(hi)}] | | | |")
+    # what tells a stalled seed from a learning one: how fast training success (temperature 1) rises,
+    # how large the updates are, and whether the credit's evidence tracks the outcome
+    lines += ["", "Per run, means over the RL iterations: training success (%; first and last 4 iterations), gradient "
+                  "norm, approximate KL of the update, correlation of the credit's evidence with the outcome.", "",
+              "| algorithm | seed | train success | first 4 | last 4 | grad norm | approx KL | evidence-outcome corr |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (algorithms.index(r["algorithm"]), r["seed"])):
+        train = [float(v) for v in str(r.get("rollout_success_by_it", "")).split()]
+        cells = [_pct(statistics.fmean(train)), _pct(statistics.fmean(train[:4])), _pct(statistics.fmean(train[-4:]))] \
+            if train else ["", "", ""]
+        cells += [f"{r[k]:.3g}" if k in r else "" for k in
+                  ("loss_grad_norm_mean", "loss_approx_kl_mean", "credit_evidence_outcome_corr_mean")]
+        lines.append(f"| {r['algorithm']} | {r['seed']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -108,7 +108,8 @@ def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: 
     def row(algorithm: str, seed: int, end: float) -> dict:
         return {"seed": seed, "algorithm": algorithm, "commit": "0123456789abcdef", "iterations": 16,
                 "success_warm_start": 0.0, "success_end": end, "eval_it0": 0.0, "eval_it8": end / 2, "eval_it16": end,
-                "wall_s": 400.0 + seed, "peak_rss_mb": 1900.0, "resumed": 0}
+                "wall_s": 400.0 + seed, "peak_rss_mb": 1900.0, "resumed": 0,
+                "rollout_success_by_it": "0 0 0.5 0.5 1 1", "loss_approx_kl_mean": 0.0125}
 
     rows = [row("grpo", 1, 0.5), row("agentopsd", 0, 0.96), row("agentopsd", 1, 0.04), row("grpo", 0, 0.81)]
     qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "python scripts/quickstart_seeds.py --seeds 0-1")
@@ -116,6 +117,7 @@ def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: 
     assert "| 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
     assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 |" in table
     assert "| agentopsd | 1 / 2 | 50 [4, 96] |" in table and "| grpo | 1 / 2 |" in table
+    assert "| agentopsd | 0 | 50 | 25 | 75 |  | 0.0125 |  |" in table  # first and last 4 of 6 iterations
     assert "Commit: 0123456789ab" in table and "--seeds 0-1" in table
     with (tmp_path / "runs.csv").open() as f:
         read = list(csv.DictReader(f))
