@@ -156,4 +156,4 @@ def test_real_signal_to_a_real_run_then_resume(processes, tmp_path):
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"] == done
     run_train(*common, "ckpt_path=last", timeout=900)
     # every iteration trained exactly once, on the same task stream: one shard each, no gaps
-    assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in range(6)]
+    assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in range(1, 7)]  # numbered by completed iterations
