@@ -112,10 +112,12 @@ def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: 
                 "rollout_success_by_it": "0 0 0.5 0.5 1 1", "loss_approx_kl_mean": 0.0125}
 
     rows = [row("grpo", 1, 0.5), row("agentopsd", 0, 0.96), row("agentopsd", 1, 0.04), row("grpo", 0, 0.81)]
+    rows[0].update(warm_start_trained=0, wall_s=50.0, peak_rss_mb=800.0)  # grpo seed 1 loaded seed 1's warm start
     qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "python scripts/quickstart_seeds.py --seeds 0-1")
     table = (tmp_path / "table.md").read_text()
     assert "| 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
-    assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 |" in table
+    assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* the seed's warm start" in table
+    assert "| grpo | 1 / 2 | 66 [50, 81] | 0 | 400 (400) | 1900 |" in table  # the run that loaded its warm start left out
     assert "| agentopsd | 1 / 2 | 50 [4, 96] |" in table and "| grpo | 1 / 2 |" in table
     assert "| agentopsd | 0 | 50 | 25 | 75 |  | 0.0125 |  |" in table  # first and last 4 of 6 iterations
     assert "Commit: 0123456789ab" in table and "--seeds 0-1" in table
