@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides, e.g. data.group_size=4")
     args = parser.parse_args(argv)
     seeds = parse_seeds(args.seeds)
+    args.out = args.out.resolve()  # the runs' working directory is the exported code, not here
     args.out.mkdir(parents=True, exist_ok=True)
     commit = head_commit()
     code = args.code.resolve() if args.code else export_code(commit, Path(os.environ.get("TMPDIR", "/tmp")) / "quickstart_seeds_src")
