@@ -1,0 +1,152 @@
+"""Credit quality: how well a credit signal orders the turns of a trajectory as the ground truth does.
+
+A credit method acts within a trajectory (every turn of it shares one A_seq; the method moves
+weight between its turns), so its quality is measured within trajectories and then averaged:
+
+- rank correlation: Spearman's rho between the signal and the ground truth over the turns of one
+  trajectory (average ranks for ties);
+- pairwise accuracy: over the pairs of turns of one trajectory whose ground truth differs by more
+  than ``margin``, the share the signal orders the same way. A tie in the signal counts one half,
+  so a signal constant within the trajectory (GRPO's uniform credit) scores exactly 0.5: the
+  chance line.
+
+Each trajectory is one unit: the summary is the mean of the per-trajectory values, and its 95%
+interval is a percentile bootstrap over trajectories. Pure numpy; no torch, no config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+CHANCE = 0.5
+"""Pairwise accuracy of a signal that orders no pair (constant within every trajectory)."""
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n of ``x`` [n], tied values sharing the mean of their ranks."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=float)
+    sorted_x = x[order]
+    start = 0
+    while start < len(x):
+        end = start
+        while end + 1 < len(x) and sorted_x[end + 1] == sorted_x[start]:
+            end += 1
+        ranks[order[start:end + 1]] = (start + end) / 2.0 + 1.0
+        start = end + 1
+    return ranks
+
+
+def spearman(signal: Sequence[float], truth: Sequence[float]) -> float | None:
+    """Spearman's rho of one trajectory's turns [K], or None when the truth is constant (or K < 2).
+
+    A signal constant within the trajectory orders nothing: rho is defined as 0 there, not NaN,
+    so GRPO's uniform credit sits at 0 exactly.
+    """
+    s, t = np.asarray(signal, dtype=float), np.asarray(truth, dtype=float)
+    if s.shape != t.shape or s.ndim != 1:
+        raise ValueError(f"signal and truth must be 1-D of one length, got {s.shape} and {t.shape}")
+    if len(t) < 2 or np.all(t == t[0]):
+        return None
+    if np.all(s == s[0]):
+        return 0.0
+    rs, rt = average_ranks(s) - (len(s) + 1) / 2.0, average_ranks(t) - (len(t) + 1) / 2.0
+    return float(np.sum(rs * rt) / np.sqrt(np.sum(rs * rs) * np.sum(rt * rt)))
+
+
+def pairwise_accuracy(signal: Sequence[float], truth: Sequence[float], margin: float = 0.0) -> tuple[float, int] | None:
+    """(accuracy, number of pairs) over the pairs (i, j) of one trajectory with |truth_i - truth_j| > margin.
+
+    A pair counts 1 when the signal orders it as the truth does, 0 when reversed, 1/2 when the
+    signal ties. None when no pair qualifies (the trajectory says nothing about ordering).
+    """
+    s, t = np.asarray(signal, dtype=float), np.asarray(truth, dtype=float)
+    if s.shape != t.shape or s.ndim != 1:
+        raise ValueError(f"signal and truth must be 1-D of one length, got {s.shape} and {t.shape}")
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    dt = t[:, None] - t[None, :]
+    ds = s[:, None] - s[None, :]
+    upper = np.triu(np.ones_like(dt, dtype=bool), k=1)
+    eligible = upper & (np.abs(dt) > margin)
+    n = int(eligible.sum())
+    if n == 0:
+        return None
+    score = np.where(np.sign(ds) == np.sign(dt), 1.0, np.where(ds == 0, 0.5, 0.0))
+    return float(score[eligible].sum() / n), n
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over trajectories with its 95% bootstrap interval."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+    """Trajectories that entered (those with a defined value)."""
+
+    def fmt(self, digits: int = 3) -> str:
+        if self.n == 0:
+            return "n/a"
+        return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
+
+
+def bootstrap_mean(values: Sequence[float], *, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
+    """Mean of per-trajectory ``values`` [N] and its percentile bootstrap interval (resampling trajectories).
+
+    Identical values give a zero-width interval (GRPO's 0.5 stays exactly 0.5).
+    """
+    v = np.asarray(values, dtype=float)
+    if v.size == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
+    if resamples < 1 or not 0 < level < 1:
+        raise ValueError(f"need resamples >= 1 and 0 < level < 1, got {resamples} and {level}")
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(resamples, v.size))].mean(axis=1)
+    alpha = (1 - level) / 2
+    low, high = np.quantile(means, [alpha, 1 - alpha])
+    # the mean of identical values is exact: do not let float summation leak out of it
+    if np.all(v == v[0]):
+        low = high = float(v[0])
+    return Estimate(float(v.mean()), float(low), float(high), int(v.size))
+
+
+@dataclass(frozen=True)
+class CreditQuality:
+    """Both metrics of one credit signal over a set of trajectories."""
+
+    rank_correlation: Estimate
+    pairwise_accuracy: Estimate
+    pairs: int
+    """Turn pairs that entered the pairwise accuracy, over all trajectories."""
+
+
+def credit_quality(
+    signals: Sequence[Sequence[float]], truths: Sequence[Sequence[float]], *, margin: float = 0.0,
+    resamples: int = 2000, seed: int = 0,
+) -> CreditQuality:
+    """Per-trajectory Spearman and pairwise accuracy, averaged over trajectories with 95% intervals.
+
+    ``signals[i]`` and ``truths[i]``: the valid turns [K_i] of trajectory i, in turn order.
+    """
+    if len(signals) != len(truths):
+        raise ValueError(f"got {len(signals)} signal rows and {len(truths)} truth rows")
+    rhos, accs, pairs = [], [], 0
+    for s, t in zip(signals, truths):
+        rho = spearman(s, t)
+        if rho is not None:
+            rhos.append(rho)
+        acc = pairwise_accuracy(s, t, margin)
+        if acc is not None:
+            accs.append(acc[0])
+            pairs += acc[1]
+    return CreditQuality(
+        rank_correlation=bootstrap_mean(rhos, resamples=resamples, seed=seed),
+        pairwise_accuracy=bootstrap_mean(accs, resamples=resamples, seed=seed),
+        pairs=pairs,
+    )
