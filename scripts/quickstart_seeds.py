@@ -113,7 +113,7 @@ def command(algorithm: str, seed: int, run_dir: Path, iterations: int, resume: b
 
 
 def lend_warm_start(run_dir: Path, seed: int, runs_root: Path) -> None:
-    """Copy the cached warm start of another run of this seed (same seed, same demonstrations and weights)."""
+    """Copy the cached warm start of an earlier run of this seed: the same demonstrations and weights for every algorithm."""
     target = run_dir / "warm_start"
     if any(target.glob("policy-*.pt")):
         return
@@ -220,8 +220,8 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
             cells.append(f"{r['wall_s']:.0f}{lent} / {r['peak_rss_mb']:.0f}{lent}" if r else "")
         lines.append("| " + " | ".join(cells) + " |")
     if any(not r.get("warm_start_trained", 1) for r in rows):
-        lines += ["", "\\* the seed's warm start (the same weights: the seed fixes them) was made by an earlier run and "
-                      "loaded, so this time and memory leave out the warm start's demonstrations and supervised steps."]
+        lines += ["", "\\* loaded its seed's warm start from the cache of an earlier run of that seed (as the runs of one "
+                      "name share theirs), so this time and memory leave out the demonstrations and supervised steps."]
     lines += ["", f"| algorithm | seeds ≥ {100 * TARGET:.0f}% | mean after RL (95% bootstrap interval) | mean warm start "
                   "| mean wall s (max) | max peak RSS MB |", "|---|---|---|---|---|---|"]
     for a in algorithms:

@@ -116,7 +116,7 @@ def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: 
     qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "python scripts/quickstart_seeds.py --seeds 0-1")
     table = (tmp_path / "table.md").read_text()
     assert "| 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
-    assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* the seed's warm start" in table
+    assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* loaded its seed's warm start" in table
     assert "| grpo | 1 / 2 | 66 [50, 81] | 0 | 400 (400) | 1900 |" in table  # the run that loaded its warm start left out
     assert "| agentopsd | 1 / 2 | 50 [4, 96] |" in table and "| grpo | 1 / 2 |" in table
     assert "| agentopsd | 0 | 50 | 25 | 75 |  | 0.0125 |  |" in table  # first and last 4 of 6 iterations
