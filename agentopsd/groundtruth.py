@@ -88,6 +88,8 @@ class State:
     """Turns played so far (the next turn's index)."""
     task: str
     observation: str
+    admissible: tuple[str, ...] | None
+    """The env's admissible actions, as the collector passes them to the prompt."""
     history: list[HistoryEntry] = field(default_factory=list)
     done: bool = False
     won: bool = False
@@ -97,7 +99,7 @@ class State:
     def copy(self) -> State:
         """An independent copy (the env deep-copied): stepping it never touches this state."""
         return State(env=copy.deepcopy(self.env), turn=self.turn, task=self.task, observation=self.observation,
-                     history=list(self.history), done=self.done, won=self.won,
+                     admissible=self.admissible, history=list(self.history), done=self.done, won=self.won,
                      terminated=self.terminated)
 
 
@@ -110,7 +112,9 @@ def make_env(env_id: str, max_turns: int, env_kwargs: Mapping[str, Any] | None =
 def start(env: gym.Env, task_index: int) -> State:
     """Reset ``env`` to train task ``task_index`` and wrap it as the state before turn 0."""
     obs, info = env.reset(options={"task_index": task_index})
-    return State(env=env, turn=0, task=str(info.get("task", "")), observation=obs)
+    admissible = info.get("admissible_actions")
+    return State(env=env, turn=0, task=str(info.get("task", "")), observation=obs,
+                 admissible=tuple(admissible) if admissible is not None else None)
 
 
 def advance(state: State, action: str | None, text: str = "", format_note: str = FORMAT_ERROR_PREFIX) -> State:
@@ -127,6 +131,8 @@ def advance(state: State, action: str | None, text: str = "", format_note: str =
         obs, _, terminated, truncated, info = state.env.step(action)
         state.observation = obs
         state.won = bool(info.get("won", False))
+        if info.get("admissible_actions") is not None:
+            state.admissible = tuple(info["admissible_actions"])
         state.terminated = bool(terminated)
         state.done = bool(terminated or truncated)
     state.history.append(HistoryEntry(observation=shown, action=action or text.strip()[:200]))
@@ -221,7 +227,7 @@ def generator_policy(generator: Generator, prompts: PromptBuilder, sampling: Sam
     """The policy of a ``Generator`` behind the trainer's own student prompt (no skills: the student view)."""
 
     def act(states: Sequence[State]) -> list[tuple[str | None, str]]:
-        ids = [prompts.build_views(s.task, s.history, s.observation, None).student for s in states]
+        ids = [prompts.build_views(s.task, s.history, s.observation, s.admissible).student for s in states]
         gens = generator.generate(ids, sampling)
         return [(parse_action(g.text, prompts.output_format), g.text) for g in gens]
 
@@ -233,24 +239,29 @@ def format_note(prompts: PromptBuilder) -> str:
     return f"{FORMAT_ERROR_PREFIX} {prompts.user_message('', [], '', None).splitlines()[-1]}"
 
 
-def mc_value(state: State, policy: Policy, samples: int, max_turns: int, note: str = FORMAT_ERROR_PREFIX) -> float:
-    """Success rate of ``samples`` continuations of ``policy`` from ``state`` up to turn ``max_turns``.
+def mc_values(states: Sequence[State], policy: Policy, samples: int, max_turns: int,
+              note: str = FORMAT_ERROR_PREFIX) -> list[float]:
+    """Success rate of ``samples`` continuations of ``policy`` from each state, up to turn ``max_turns``.
 
-    The copies run in lockstep, one policy call per turn. A finished state's value is its outcome.
-    ``note``: what a format error shows (``format_note(prompts)`` for the trainer's policy).
+    Every continuation of every state runs in lockstep: one policy call per turn for all of them
+    (a batched generate). A finished state's value is its outcome. ``note``: what a format error
+    shows (``format_note(prompts)`` for the trainer's policy).
     """
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    if state.done or state.turn >= max_turns:
-        return float(state.won)
-    runs = [state.copy() for _ in range(samples)]
+    runs = [[s.copy() for _ in range(samples)] for s in states]
     while True:
-        live = [r for r in runs if not r.done and r.turn < max_turns]
+        live = [r for group in runs for r in group if not r.done and r.turn < max_turns]
         if not live:
             break
         for run, (action, text) in zip(live, policy(live)):
             advance(run, action, text, note)
-    return float(np.mean([r.won for r in runs]))
+    return [float(np.mean([r.won for r in group])) for group in runs]
+
+
+def mc_value(state: State, policy: Policy, samples: int, max_turns: int, note: str = FORMAT_ERROR_PREFIX) -> float:
+    """``mc_values`` of one state."""
+    return mc_values([state], policy, samples, max_turns, note)[0]
 
 
 def mc_turn_advantages(
@@ -261,5 +272,5 @@ def mc_turn_advantages(
     Each state's value is estimated once and shared by the two turns it borders; the budget is
     the episode's own (``max_turns`` minus the turns already played).
     """
-    values = [mc_value(s, policy, samples, max_turns, note) for s in states]
+    values = mc_values(states, policy, samples, max_turns, note)
     return [after - before for before, after in zip(values[:-1], values[1:])]

@@ -37,7 +37,10 @@ from agentopsd.groundtruth import (  # noqa: E402
     expert_gain,
     expert_label,
     expert_path,
+    format_note,
+    generator_policy,
     make_env,
+    mc_values,
     replay,
 )
 
@@ -85,51 +88,117 @@ def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTraj
     return out
 
 
+def warm_start_policy(run: Path, cfg: dict, seed: int):
+    """The policy that sampled the run's first iteration (its warm start), behind the trainer's prompts."""
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from agentopsd.prompts import PromptBuilder
+    from agentopsd.rollout.base import SamplingConfig
+    from agentopsd.rollout.hf import HFGenerator
+
+    weights = sorted((run / "warm_start").glob("policy-*.pt"))
+    if len(weights) != 1:
+        raise SystemExit(f"{run}: expected one warm_start/policy-*.pt for --mc-samples, found {len(weights)}")
+    full = OmegaConf.load(run / ".hydra" / "config.yaml")
+    model, tokenizer = instantiate(OmegaConf.to_container(full.model, resolve=True))
+    model.load_state_dict(torch.load(weights[0], map_location="cpu"))
+    model.eval()
+    env = cfg["env"]
+    prompts = PromptBuilder(tokenizer, output_format=env["output_format"], history_window=env["history_window"],
+                            max_prompt_tokens=env["max_prompt_tokens"], show_admissible=env["show_admissible"],
+                            **({"system_prompt": env["system_prompt"]} if env.get("system_prompt") is not None else {}))
+    roll = cfg["rollout"]
+    sampling = SamplingConfig(max_new_tokens=roll["max_new_tokens"], temperature=roll["temperature"], top_p=roll["top_p"],
+                              stop_strings=prompts.stop_strings)
+    torch.manual_seed(seed)
+    return generator_policy(HFGenerator(model, tokenizer), prompts, sampling), format_note(prompts)
+
+
+def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int) -> dict[int, list[float]]:
+    """Monte Carlo turn advantages (id(traj) -> [K]) for the trajectories of iteration 1, under the warm start.
+
+    Only iteration 1 was sampled by a policy the run kept (later iterations' policies are not saved).
+    """
+    import torch
+
+    first = [t for t in trajs if t.iteration == 1]
+    max_turns = int(cfg["env"]["max_turns"])
+    env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
+    policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)))
+    states = [replay(env, t, max_turns) for t in first]
+    flat = [s for group in states for s in group]
+    with torch.no_grad():
+        values = mc_values(flat, policy, samples, max_turns, note)
+    out, at = {}, 0
+    for traj, group in zip(first, states):
+        v = values[at:at + len(group)]
+        at += len(group)
+        out[id(traj)] = [after - before for before, after in zip(v[:-1], v[1:])]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run output folders (with .hydra/ and rollouts/)")
     parser.add_argument("--margin", type=float, default=0.0, help="pairs count when their ground truth differs by more")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over trajectories")
+    parser.add_argument("--mc-samples", type=int, default=0,
+                        help="also the Monte Carlo ground truth (M continuations per state) for iteration 1 under the warm start")
+    parser.add_argument("--mc-margin", type=float, default=0.25,
+                        help="pairs count under the Monte Carlo truth when it differs by more (sampling noise)")
     parser.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv")
     args = parser.parse_args()
 
-    # (algorithm, env, stage, signal) -> per-trajectory signal and truth rows
-    cells: dict[tuple[str, str, str, str], tuple[list, list]] = defaultdict(lambda: ([], []))
+    # (truth, algorithm, env, stage, signal) -> per-trajectory signal and truth rows
+    cells: dict[tuple[str, str, str, str, str], tuple[list, list]] = defaultdict(lambda: ([], []))
     label_signal: dict[tuple[str, str], list[float]] = defaultdict(list)
     label_count: dict[tuple[str, str], int] = defaultdict(int)
     n_traj = 0
     for run in args.runs:
         cfg, trajs = load_run(run)
         last = max(t.iteration for t in trajs)
+        mc = mc_truths(run, cfg, trajs, args.mc_samples) if args.mc_samples > 0 else {}
         for traj, gains, labels in label_run(cfg, trajs):
             n_traj += 1
             level = traj.env_id.split("/")[-1]
-            stage = stage_of(traj.iteration, last)
             signals = {name: [t.signals[name] for t in traj.turns] for name in SIGNAL_ORDER[1:]
                        if all(name in t.signals for t in traj.turns)}
             signals["uniform"] = [traj.seq_advantage] * len(traj.turns)
-            for name, values in signals.items():
-                sig, tru = cells[(traj.algorithm, level, stage, name)]
-                sig.append(values)
-                tru.append(gains)
+            truths = {("expert", stage_of(traj.iteration, last)): gains}
+            if id(traj) in mc:
+                truths[("mc", "iter1")] = mc[id(traj)]
+            for (truth, stage), values_t in truths.items():
+                for name, values in signals.items():
+                    sig, tru = cells[(truth, traj.algorithm, level, stage, name)]
+                    sig.append(values)
+                    tru.append(values_t)
             for turn, label in zip(traj.turns, labels):
                 label_count[(traj.algorithm, label)] += 1
                 if "evidence" in turn.signals:
                     label_signal[(traj.algorithm, label)].append(turn.signals["evidence"])
 
     rows = []
-    for (alg, level, stage, name), (sig, tru) in sorted(cells.items(), key=lambda kv: (
-            kv[0][0], kv[0][1], STAGES.index(kv[0][2]), SIGNAL_ORDER.index(kv[0][3]))):
-        q = credit_quality(sig, tru, margin=args.margin, resamples=args.resamples)
-        rows.append({"algorithm": alg, "env": level, "stage": stage, "signal": name, "trajectories": len(sig),
-                     "rank_corr": q.rank_correlation.fmt(), "rank_corr_n": q.rank_correlation.n,
+    order = STAGES + ("iter1",)
+    for (truth, alg, level, stage, name), (sig, tru) in sorted(cells.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2], order.index(kv[0][3]), SIGNAL_ORDER.index(kv[0][4]))):
+        margin = args.margin if truth == "expert" else args.mc_margin
+        q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
+        rows.append({"truth": truth, "algorithm": alg, "env": level, "stage": stage, "signal": name,
+                     "trajectories": len(sig), "rank_corr": q.rank_correlation.fmt(), "rank_corr_n": q.rank_correlation.n,
                      "pairwise_acc": q.pairwise_accuracy.fmt(), "pairwise_n": q.pairwise_accuracy.n, "pairs": q.pairs})
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     command = "python scripts/credit_quality.py " + " ".join(sys.argv[1:])
     head = list(rows[0]) if rows else []
-    lines = [f"Credit quality against the expert-progress ground truth ({n_traj} trajectories; margin {args.margin}; "
-             f"95% bootstrap over trajectories). Commit {commit}.", "", f"    {command}", "",
+    lines = [f"Credit quality: within-trajectory rank correlation and pairwise accuracy of each logged turn signal "
+             f"against the ground truth ({n_traj} trajectories; 95% bootstrap intervals over trajectories). "
+             f"Commit {commit}.", "",
+             f"Truth `expert`: the BabyAI bot's remaining path saved by the turn (margin {args.margin}); stages are thirds "
+             f"of each run's logged iterations. Truth `mc`: Monte Carlo turn advantage V(s_k+1) - V(s_k) with "
+             f"{args.mc_samples} continuations per state under the warm start, on iteration 1 (margin {args.mc_margin}). "
+             "Signal `uniform` (A_seq on every turn) is the chance line: 0.5 exactly.", "", f"    {command}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows]
     lines += ["", "Turn labels (all stages): count and mean evidence e_k where logged.", "",

@@ -20,6 +20,7 @@ from agentopsd.groundtruth import (
     make_env,
     mc_turn_advantages,
     mc_value,
+    mc_values,
     replay,
     start,
 )
@@ -196,5 +197,47 @@ def test_generator_policy_acts_through_the_trainers_prompts(tiny_walk_policy) ->
     state = start(make_env(PICKUP, 3), 4)
     value = mc_value(state, policy, samples=2, max_turns=3, note=format_note(prompts))
     assert 0.0 <= value <= 1.0
-    assert seen[0] == prompts.build_views(state.task, [], state.observation, None).student
+    assert seen[0] == prompts.build_views(state.task, [], state.observation, list(ACTIONS)).student
     assert len(seen) >= 2
+
+
+def test_monte_carlo_values_of_many_states_share_one_policy_call_per_turn() -> None:
+    states = [start(make_env(PICKUP, 5), i) for i in (1, 2, 3)]
+    states.append(advance(states[0].copy(), "drop"))
+    calls = []
+
+    def counting_expert(batch):
+        calls.append(len(batch))
+        return _expert_policy(batch)
+
+    together = mc_values(states, counting_expert, samples=2, max_turns=5)
+    assert together == [mc_value(s, _expert_policy, samples=2, max_turns=5) for s in states]
+    assert calls[0] == 8 and len(calls) <= 5
+
+
+def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
+    """scripts/credit_quality.py end to end: a run folder with one shard in, a table out."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    from callbacks.rollout_logging import write_shard
+
+    run = tmp_path / "agentopsd-s0"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(
+        {"algorithm": {"name": "agentopsd"}, "env": {"id": PICKUP, "max_turns": 6}}))
+    records = [_log(PICKUP, i, ["turn left", "go forward", "drop", "turn right", "go forward", "pick up"], 6)
+               for i in range(4)]
+    write_shard(run / "rollouts" / "rollouts-000001.tar", records)
+    out = tmp_path / "table"
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "scripts/credit_quality.py", str(run), "--resamples", "50", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (out / "table.md").read_text()
+    assert "| expert | agentopsd | BabyAI-PickupObj-v0 | early | uniform | 4 | 0.000 [0.000, 0.000]" in table
+    assert "| 0.500 [0.500, 0.500] |" in table and "| evidence |" in table
+    assert (out / "table.csv").read_text().startswith("truth,algorithm,env,stage,signal")
