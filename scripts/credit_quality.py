@@ -10,7 +10,8 @@ each turn's ground truth is the path it saved (fatal turns far below). For every
 gives the within-trajectory rank correlation and pairwise accuracy with 95% bootstrap intervals,
 by algorithm x env x training stage (thirds of the run's logged iterations). ``uniform`` (A_seq on
 every turn) is the chance line; the logged GRPO advantage is not uniform, because invalid-action and
-format penalties belong to the turn that earned them.
+format penalties belong to the turn that earned them. ``credit`` (sign(A_seq) * w_k) is the credit
+method's own ordering, without those penalties.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from agentopsd.groundtruth import (  # noqa: E402
 )
 
 STAGES = ("early", "mid", "late")
-SIGNAL_ORDER = ("uniform", "advantage", "evidence", "revision")
+SIGNAL_ORDER = ("uniform", "advantage", "credit", "evidence", "revision")
 """``uniform``: A_seq on every turn (GRPO's credit without the per-turn penalties): the chance line, 0.5 exactly."""
 
 
@@ -163,9 +164,12 @@ def main() -> None:
         for traj, gains, labels in label_run(cfg, trajs):
             n_traj += 1
             level = traj.env_id.split("/")[-1]
-            signals = {name: [t.signals[name] for t in traj.turns] for name in SIGNAL_ORDER[1:]
+            signals = {name: [t.signals[name] for t in traj.turns] for name in ("advantage", "evidence", "revision")
                        if all(name in t.signals for t in traj.turns)}
             signals["uniform"] = [traj.seq_advantage] * len(traj.turns)
+            if all("multiplier" in t.signals for t in traj.turns):
+                # the credit alone, without the per-turn penalties the advantage also carries
+                signals["credit"] = [float(np.sign(traj.seq_advantage)) * t.signals["multiplier"] for t in traj.turns]
             truths = {("expert", stage_of(traj.iteration, last)): gains}
             if id(traj) in mc:
                 truths[("mc", "iter1")] = mc[id(traj)]
@@ -198,7 +202,9 @@ def main() -> None:
              f"Truth `expert`: the BabyAI bot's remaining path saved by the turn (margin {args.margin}); stages are thirds "
              f"of each run's logged iterations. Truth `mc`: Monte Carlo turn advantage V(s_k+1) - V(s_k) with "
              f"{args.mc_samples} continuations per state under the warm start, on iteration 1 (margin {args.mc_margin}). "
-             "Signal `uniform` (A_seq on every turn) is the chance line: 0.5 exactly.", "", f"    {command}", "",
+             "Signal `uniform` (A_seq on every turn) is the chance line: 0.5 exactly; `advantage` is the logged turn "
+             "advantage (it carries the per-turn invalid-action and format penalties, so even GRPO's is not uniform); "
+             "`credit` = sign(A_seq) * w_k, the credit method's own ordering without penalties.", "", f"    {command}", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(r[h]) for h in head) + " |" for r in rows]
     lines += ["", "Turn labels (all stages): count and mean evidence e_k where logged.", "",
