@@ -184,10 +184,16 @@ def build_tiny_policy(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.Qwen2ForCausalLM(config)
+    set_chat_stops(model, tokenizer)
+    return model
+
+
+def set_chat_stops(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Generation stops at the tokenizer's eos and, when the vocabulary has it, at ``<|im_end|>``,
+    as Qwen2.5-Instruct's generation config lists both."""
     eos_ids = [tokenizer.eos_token_id]
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
     if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in eos_ids:
         eos_ids.append(im_end)
     model.generation_config.eos_token_id = eos_ids
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model

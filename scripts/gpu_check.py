@@ -116,8 +116,7 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
     import torch
     import transformers
 
-    from agentopsd.models import ensure_pad_token
-    from agentopsd.tokenizer import IM_END
+    from agentopsd.models import ensure_pad_token, set_chat_stops
 
     qwen_files = qwen_tokenizer_files() if use_qwen_tokenizer else None
     if qwen_files is not None:
@@ -153,12 +152,7 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
-    eos = [tokenizer.eos_token_id]
-    im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end not in eos:
-        eos.append(im_end)
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    set_chat_stops(model, tokenizer)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
