@@ -466,3 +466,55 @@ def test_vllm_sync_weights_merges_lora(monkeypatch, tok, tmp_path):
     assert torch.allclose(loaded[name], plain_state[name] + delta, atol=1e-6)
     assert torch.equal(layer.base_layer.weight, plain_state[name])  # unmerged again afterwards
     assert torch.equal(loaded["model.layers.1.mlp.up_proj.weight"], plain_state["model.layers.1.mlp.up_proj.weight"])
+
+
+# Outputs of the generator as of commit 6c1f0bc, on this file's tokenizer and a sharper tiny model
+# (initializer_range 0.3: log-probs from -0.2 to -9.8, not all near log(1/V)): a speed change to the
+# decode loop must leave every seeded token and log-prob as it was. Cases: a left-padded sampled
+# batch with a repeated prompt, one prompt alone (no padding: no mask), greedy, and rows finishing
+# at different steps (extra eos ids), so finished rows leave the cache mid-call.
+PINNED = {
+    "batch": (
+        [[176, 209, 17, 38, 293, 201], [50, 169, 8, 346, 323, 76], [243, 231, 42, 287, 291, 246],
+         [216, 228, 246, 292, 310, 280], [336, 16, 3, 226, 1, 101], [262, 61, 315, 56, 330, 19]],
+        [[-5.1413, -7.93, -1.6209, -2.9694, -5.2234, -9.1922], [-5.7548, -7.7353, -3.3809, -3.3832, -0.7769, -4.2111],
+         [-4.2255, -2.527, -2.8033, -3.3195, -3.2243, -2.6012], [-1.8858, -1.2396, -4.5058, -3.9544, -2.1595, -3.8481],
+         [-3.3647, -2.8065, -3.7428, -1.489, -1.7649, -2.8592], [-2.7786, -5.5427, -9.7726, -1.8184, -3.2633, -2.6058]],
+    ),
+    "alone": ([[73, 183, 237, 126, 213, 190]], [[-3.6385, -7.3928, -5.2762, -0.1767, -1.1327, -5.9002]]),
+    "greedy": (
+        [[331, 116, 116, 203], [4, 79, 242, 264], [120, 115, 210, 123], [216, 228, 123, 39], [212, 251, 229, 130]],
+        [[-1.5108, -1.4851, -1.8556, -2.1054], [-2.3385, -2.298, -1.4139, -1.7422], [-1.9959, -1.366, -1.2933, -1.1879],
+         [-1.8858, -1.2396, -1.3199, -1.5681], [-2.4368, -1.4328, -1.8145, -1.417]],
+    ),
+    "eos": (
+        [[176, 209, 17], [50, 169, 8, 13, 308, 310], [243, 231], [216, 228, 246], [336, 16, 3, 338, 342, 141],
+         [262, 61, 81, 346, 249, 199]],
+        [[-5.1413, -7.93, -1.6209], [-5.7548, -7.7353, -3.3809, -0.6221, -2.681, -1.9166], [-4.2255, -2.527],
+         [-1.8858, -1.2396, -4.5058], [-3.3647, -2.8065, -3.7428, -2.7732, -2.5621, -3.7867],
+         [-2.7786, -5.5427, -9.702, -1.038, -6.453, -6.1365]],
+    ),
+}
+
+
+def _pinned_cases(tok):
+    prompts = random_prompts(tok, seed=3)
+    return {
+        "batch": (prompts + [prompts[1]], SamplingConfig(max_new_tokens=6, temperature=1.0, stop_strings=(), seed=7)),
+        "alone": (prompts[3:4], SamplingConfig(max_new_tokens=6, temperature=0.8, stop_strings=(), seed=11)),
+        "greedy": (prompts, SamplingConfig(max_new_tokens=4, greedy=True, stop_strings=())),
+        "eos": (prompts + [prompts[1]], SamplingConfig(max_new_tokens=6, temperature=1.0, stop_strings=(), seed=7)),
+    }
+
+
+def test_seeded_outputs_are_pinned(tok):
+    model = build_tiny_policy(tok, {**TINY, "num_key_value_heads": 1, "initializer_range": 0.3}, seed=0).eval()
+    generator = HFGenerator(model, tok)
+    for name, (prompts, sampling) in _pinned_cases(tok).items():
+        if name == "eos":
+            model.generation_config.eos_token_id = [tok.eos_token_id, 17, 246, 231]
+        gens = generator.generate(prompts, sampling)
+        tokens, logprobs = PINNED[name]
+        assert [list(g.token_ids) for g in gens] == tokens, name
+        for g, want in zip(gens, logprobs):
+            assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(want), atol=2e-4), name
