@@ -111,7 +111,13 @@ class EvalConfig:
     """Evaluate the initial weights too (off when many runs share one warm start already evaluated)."""
     max_turns: int | None = None
     """Defaults to env.max_turns."""
+    sampled_copies: int = 0
+    """Also play each task this many times at the rollout's sampling temperature (``eval/sampled/...``):
+    a smooth success rate where greedy success of a small policy jumps between 0 and 100%. Its
+    random stream is seeded from the task list alone, so it never moves the training's. 0 = off."""
 
     def __post_init__(self) -> None:
         if self.num_tasks is not None and self.num_tasks < 1:
             raise ValueError(f"evaluation.num_tasks must be >= 1 or null (the whole list), got {self.num_tasks}")
+        if self.sampled_copies < 0:
+            raise ValueError(f"evaluation.sampled_copies must be >= 0 (0 = greedy only), got {self.sampled_copies}")

@@ -570,12 +570,22 @@ class AgentRLModule(L.LightningModule):
             collector = self.collector
             collector.generator.sync_weights(self.model)
             try:
-                trajectories = collector.collect(self.eval_tasks(), with_teacher=False, sampling=self.eval_sampling)
+                tasks = self.eval_tasks()
+                trajectories = collector.collect(tasks, with_teacher=False, sampling=self.eval_sampling)
+                sampled = []
+                if self.eval_cfg.sampled_copies:
+                    copies = [t for t in tasks for _ in range(self.eval_cfg.sampled_copies)]
+                    devices = [self.device.index or 0] if self.device.type == "cuda" else []
+                    with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
+                        torch.manual_seed(len(copies))
+                        sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
             except RolloutStopped:  # the evaluation is dropped; training state is whole
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
             self.model.train(was_training)
         metrics = evaluate_trajectories(trajectories)
+        if sampled:
+            metrics.update({k.replace("eval/", "eval/sampled/", 1): v for k, v in evaluate_trajectories(sampled).items()})
         metrics["eval/iteration"] = float(self.iterations_done)  # 0 before training
         self.eval_history.append(metrics)
         return metrics

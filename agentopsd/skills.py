@@ -3,6 +3,7 @@
 A skill file ``agentopsd/skills/<env>.json`` holds::
 
     {
+      "scope":      "episode",                      # or "turn" (see below)
       "general":    ["skill text", ...],            # always retrieved
       "categories": {
         "<category>": {
@@ -10,8 +11,21 @@ A skill file ``agentopsd/skills/<env>.json`` holds::
           "skills":   ["skill text", ...],          # task-specific skills
           "mistakes": ["common mistake", ...]       # what goes wrong in this category
         }
+      },
+      "situations": {
+        "<situation>": {
+          "when":     "regular expression",        # searched in the turn's observation
+          "skills":   ["skill text", ...],
+          "mistakes": ["common mistake", ...]
+        }
       }
     }
+
+With ``scope: episode`` (the default) the teacher view of every turn holds the skills retrieved
+once for the task. With ``scope: turn`` it holds, on each turn, only the situations whose pattern
+the current observation shows, and nothing on turns that show none: there the teacher view is
+the student view token for token, so the log-prob gap is exactly 0, and the teacher's evidence
+comes only from the turns the skills are about (a key in front, a locked door, the target).
 
 Skills are training-only: they feed the teacher view and must never reach an evaluation
 prompt (``agentopsd.prompts`` guards that).
@@ -36,6 +50,19 @@ class Category:
     keywords: tuple[str, ...]
     skills: tuple[str, ...]
     mistakes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Situation:
+    """Skills that apply on a turn whose observation matches ``when``."""
+
+    name: str
+    when: re.Pattern[str]
+    skills: tuple[str, ...]
+    mistakes: tuple[str, ...]
+
+
+SCOPES = ("episode", "turn")
 
 
 @dataclass(frozen=True)
@@ -65,9 +92,16 @@ def _words(text: str) -> set[str]:
 class SkillBank:
     """Keyword retrieval over general skills, per-category skills and common mistakes."""
 
-    def __init__(self, general: list[str], categories: list[Category], top_k: int = 1, max_general: int | None = None) -> None:
+    def __init__(self, general: list[str], categories: list[Category], top_k: int = 1, max_general: int | None = None,
+                 situations: list[Situation] | None = None, scope: str = "episode") -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if scope not in SCOPES:
+            raise ValueError(f"skill scope must be one of {SCOPES}, got {scope!r}")
+        if scope == "turn" and not situations:
+            raise ValueError("a skill file with scope 'turn' needs a 'situations' section: the teacher view would never differ")
+        self.scope = scope
+        self.situations = tuple(situations or ())
         # small models and short contexts: the first few general skills only (None = all)
         self.general = tuple(general)[:max_general] if max_general is not None else tuple(general)
         self.categories = tuple(categories)
@@ -88,7 +122,16 @@ class SkillBank:
             )
             for name, body in raw.get("categories", {}).items()
         ]
-        return cls(list(raw.get("general", [])), cats, top_k=top_k, max_general=max_general)
+        try:
+            situations = [
+                Situation(name=name, when=re.compile(body["when"]), skills=tuple(body.get("skills", [])),
+                          mistakes=tuple(body.get("mistakes", [])))
+                for name, body in raw.get("situations", {}).items()
+            ]
+        except (KeyError, re.error) as err:
+            raise ValueError(f"skill file {path}: every situation needs a valid regular expression under 'when' ({err})") from err
+        return cls(list(raw.get("general", [])), cats, top_k=top_k, max_general=max_general, situations=situations,
+                   scope=raw.get("scope", "episode"))
 
     @classmethod
     def for_env(cls, name: str, top_k: int = 1, max_general: int | None = None) -> SkillBank:
@@ -133,6 +176,27 @@ class SkillBank:
             skills=tuple(s for c in chosen for s in c.skills),
             mistakes=tuple(m for c in chosen for m in c.mistakes),
         )
+
+
+    def situational(self, observation: str) -> RetrievedSkills:
+        """The situations ``observation`` shows, in file order (none: an empty block)."""
+        hit = [s for s in self.situations if s.when.search(observation)]
+        return RetrievedSkills(general=(), categories=tuple(s.name for s in hit), skills=tuple(x for s in hit for x in s.skills),
+                               mistakes=tuple(m for s in hit for m in s.mistakes))
+
+    def block(self, skill_key: str, task: str, observation: str) -> str:
+        """The skill block of one turn's teacher view: the task's skills (scope ``episode``) or the
+        situations this turn's observation shows (scope ``turn``; "" on a turn that shows none)."""
+        if self.scope == "turn":
+            return self.situational(observation).render()
+        return self.retrieve(skill_key, task).render()
+
+    def all_lines(self) -> tuple[str, ...]:
+        """Every skill and mistake line of the bank (to check that none reaches an evaluation prompt)."""
+        lines = list(self.general)
+        for group in (*self.categories, *self.situations):
+            lines += list(group.skills) + list(group.mistakes)
+        return tuple(lines)
 
 
 def list_skill_files() -> list[str]:

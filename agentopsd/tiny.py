@@ -47,8 +47,8 @@ def environment_texts(env_id: str, episodes: int = 40, max_steps: int = 60, outp
         yield instruction
     if skills:
         yield SkillBank.for_env(skills).retrieve("", "").render()
-        for cat in SkillBank.for_env(skills).categories:
-            yield "\n".join(cat.skills + cat.mistakes)
+        for group in (*SkillBank.for_env(skills).categories, *SkillBank.for_env(skills).situations):
+            yield "\n".join(group.skills + group.mistakes)
 
 
 def tiny_policy(

@@ -57,9 +57,10 @@ def write_demonstrations(
             if ep and ep % every == 0:
                 log.info("warm start: demonstrations %d/%d episodes (%.0fs)", ep, episodes, time.perf_counter() - t0)
             obs, info = env.reset(seed=int(rng.integers(2**31 - 1)), options={"task_index": int(rng.integers(n))})
-            skill = bank.retrieve(info["skill_key"], info["task"]).render() if bank else ""
             history: list[dict] = []
             for _ in range(max_turns):
+                # scope "turn": this turn's situations only, "" on turns that show none (no teacher sample there)
+                skill = bank.block(info["skill_key"], info["task"], obs) if bank else ""
                 expert = env.unwrapped.expert_action()
                 admissible = info.get("admissible_actions") or [expert]
                 taken = expert
@@ -93,7 +94,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
     # the name carries every setting the demonstrations depend on, so a stale shard is never reused
     habits = dict(cfg.get("habits") or {})
     habit_prob = float(cfg.get("habit_prob", 0.0))
-    tag = hashlib.sha1(json.dumps([sorted(habits.items()), habit_prob]).encode()).hexdigest()[:6]
+    tag = hashlib.sha1(json.dumps([sorted(habits.items()), habit_prob, env_cfg.skills]).encode()).hexdigest()[:6]
     shard = Path(out_dir) / f"demos-{env_cfg.id.split('/')[-1]}-{cfg.episodes}-{cfg.noise}-{cfg.seed}-{env_cfg.max_turns}-{env_cfg.get('skill_max_general')}-{tag}.tar"
     if not shard.exists():
         log.info("warm start: the expert plays %d training episodes (demonstrations, cached in %s)", cfg.episodes, out_dir)
@@ -119,7 +120,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
     if env_cfg.skills and cfg.teacher_fraction > 0:
         rng = np.random.default_rng(cfg.seed)
         chosen = rng.random(len(samples)) < cfg.teacher_fraction
-        encoded += [_encode(builder, tokenizer, s, teacher=True) for s, c in zip(samples, chosen) if c]
+        encoded += [_encode(builder, tokenizer, s, teacher=True) for s, c in zip(samples, chosen) if c and s["skill"]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     total = cfg.steps

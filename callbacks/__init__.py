@@ -17,7 +17,8 @@ def default_callbacks(cfg, output_dir: Path) -> list:
     """The callbacks train.py attaches: credit, evaluation, checkpoints, rollout shards, progress bar."""
     from lightning.pytorch.callbacks import RichProgressBar
 
-    checkpoint = IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations)
+    checkpoint = IterationCheckpoint(str(output_dir / "checkpoints"), every_n_iterations=cfg.checkpoint.every_n_iterations,
+                                     keep_policies=bool(cfg.checkpoint.get("keep_policies", False)))
     callbacks = [
         PreemptionCallback(checkpoint),  # first: its signal handlers cover the pre-training evaluation too
         CreditCallback(),

@@ -7,11 +7,14 @@ killed mid-write never leaves a truncated ``last.ckpt`` behind.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import lightning as L
+
+log = logging.getLogger(__name__)
 
 
 def _remove(path: Path) -> None:
@@ -24,11 +27,14 @@ def _remove(path: Path) -> None:
 class IterationCheckpoint(L.Callback):
     """Saves weights, optimizer, schedulers, RNG state and the task-stream position."""
 
-    def __init__(self, dirpath: str, every_n_iterations: int = 10) -> None:
+    def __init__(self, dirpath: str, every_n_iterations: int = 10, keep_policies: bool = False) -> None:
         if every_n_iterations < 1:
             raise ValueError(f"checkpoint.every_n_iterations must be >= 1, got {every_n_iterations}")
         self.dirpath = Path(dirpath)
         self.every_n_iterations = every_n_iterations
+        self.keep_policies = keep_policies
+        """Also keep the policy's weights at every checkpoint, ``policy-<iterations done>.pt`` (never
+        overwritten): the Monte Carlo ground truth of a later stage needs the policy that sampled it."""
         self.saved_at: int | None = None
         """Completed iterations in the last checkpoint this process wrote (None before the first)."""
 
@@ -66,6 +72,21 @@ class IterationCheckpoint(L.Callback):
             _remove(self._old)
         trainer.strategy.barrier()
         self.saved_at = int(getattr(trainer.lightning_module, "iterations_done", -1))
+        if self.keep_policies:
+            self._keep_policy(trainer)
+
+    def _keep_policy(self, trainer: L.Trainer) -> None:
+        import torch
+
+        if trainer.world_size > 1:  # sharded weights: gathering them here is not worth a stall on every rank
+            if trainer.is_global_zero and self.saved_at == self.every_n_iterations:
+                log.warning("checkpoint.keep_policies is for single-process runs; skipped (last.ckpt has the weights)")
+            return
+
+        path = self.dirpath / f"policy-{self.saved_at:06d}.pt"
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save({k: v.detach().cpu() for k, v in trainer.lightning_module.model.state_dict().items()}, tmp)
+        os.replace(tmp, path)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         done = pl_module.iteration + 1

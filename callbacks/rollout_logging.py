@@ -24,7 +24,8 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
     for i, traj in enumerate(batch.trajectories):
         turns = []
         for turn in traj.turns:
-            entry = {"k": turn.index, "action": turn.parsed_action or turn.action_text, "observation": turn.observation, "reward": turn.reward, "valid": turn.valid}
+            entry = {"k": turn.index, "action": turn.parsed_action or turn.action_text, "observation": turn.observation, "reward": turn.reward, "valid": turn.valid,
+                     "informed": turn.teacher_prompt_ids != turn.prompt_ids}  # the teacher view held a skill block on this turn
             if turn_adv is not None and turn_adv.ndim == 1:
                 entry["advantage"] = float(turn_adv[row])
             if credit and credit["turn_mask"].shape[1] > turn.index and not credit.get("token_level", False):

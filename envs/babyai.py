@@ -25,7 +25,8 @@ TRAIN_TASKS = 1_000_000
 """Train task i is minigrid seed i."""
 EVAL_SEED_BASE = 1_000_000_000
 EVAL_TASKS = 100
-"""Eval task i is minigrid seed EVAL_SEED_BASE + i: a fixed list, disjoint from train."""
+"""Eval task i is minigrid seed EVAL_SEED_BASE + i: a fixed list, disjoint from train (this many by
+default; a level may set a longer list, ``LevelSpec.eval_tasks``)."""
 MAX_ECHO = 40
 
 
@@ -97,7 +98,7 @@ class BabyAIEnv(gym.Env[str, str]):
         if render_mode not in (None, "ansi"):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.level, self.split, self.max_steps, self.render_mode = level, split, max_steps, render_mode
-        self.num_tasks = TRAIN_TASKS if split == "train" else EVAL_TASKS
+        self.num_tasks = TRAIN_TASKS if split == "train" else LEVEL_SPECS[level].eval_tasks
         self.observation_space = base.observation_space()
         self.action_space = base.action_space()
         self._grid = make_level(level, max_steps)

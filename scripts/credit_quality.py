@@ -89,8 +89,24 @@ def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTraj
     return out
 
 
-def warm_start_policy(run: Path, cfg: dict, seed: int):
-    """The policy that sampled the run's first iteration (its warm start), behind the trainer's prompts."""
+def sampling_weights(run: Path, iteration: int) -> Path:
+    """The weights that sampled ``iteration``: the warm start for iteration 1, else the policy kept after
+    iteration - 1 (``checkpoint.keep_policies``)."""
+    if iteration == 1:
+        weights = sorted((run / "warm_start").glob("policy-*.pt"))
+        if len(weights) != 1:
+            raise SystemExit(f"{run}: expected one warm_start/policy-*.pt for the Monte Carlo truth, found {len(weights)}")
+        return weights[0]
+    path = run / "checkpoints" / f"policy-{iteration - 1:06d}.pt"
+    if not path.is_file():
+        kept = sorted(p.name for p in (run / "checkpoints").glob("policy-*.pt"))
+        raise SystemExit(f"{run}: no {path.name} for the Monte Carlo truth of iteration {iteration} (kept: {kept or 'none'}); "
+                         "train with checkpoint.keep_policies=true and pick iterations right after a checkpoint")
+    return path
+
+
+def warm_start_policy(run: Path, cfg: dict, seed: int, iteration: int = 1):
+    """The policy that sampled ``iteration`` of the run (iteration 1: its warm start), behind the trainer's prompts."""
     import torch
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -99,12 +115,10 @@ def warm_start_policy(run: Path, cfg: dict, seed: int):
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
 
-    weights = sorted((run / "warm_start").glob("policy-*.pt"))
-    if len(weights) != 1:
-        raise SystemExit(f"{run}: expected one warm_start/policy-*.pt for --mc-samples, found {len(weights)}")
+    weights = sampling_weights(run, iteration)
     full = OmegaConf.load(run / ".hydra" / "config.yaml")
     model, tokenizer = instantiate(OmegaConf.to_container(full.model, resolve=True))
-    model.load_state_dict(torch.load(weights[0], map_location="cpu"))
+    model.load_state_dict(torch.load(weights, map_location="cpu"))
     model.eval()
     env = cfg["env"]
     prompts = PromptBuilder(tokenizer, output_format=env["output_format"], history_window=env["history_window"],
@@ -117,17 +131,20 @@ def warm_start_policy(run: Path, cfg: dict, seed: int):
     return generator_policy(HFGenerator(model, tokenizer), prompts, sampling), format_note(prompts)
 
 
-def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int) -> dict[int, list[float]]:
-    """Monte Carlo turn advantages (id(traj) -> [K]) for the trajectories of iteration 1, under the warm start.
+def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int, iteration: int = 1) -> dict[int, list[float]]:
+    """Monte Carlo turn advantages (id(traj) -> [K]) for the trajectories of ``iteration``, under the policy that sampled them.
 
-    Only iteration 1 was sampled by a policy the run kept (later iterations' policies are not saved).
+    Iteration 1 was sampled by the warm start; a later one needs the policy the run kept after the
+    iteration before (``checkpoint.keep_policies``).
     """
     import torch
 
-    first = [t for t in trajs if t.iteration == 1]
+    first = [t for t in trajs if t.iteration == iteration]
+    if not first:
+        raise SystemExit(f"{run}: no logged trajectories of iteration {iteration}")
     max_turns = int(cfg["env"]["max_turns"])
     env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
-    policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)))
+    policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)), iteration=iteration)
     states = [replay(env, t, max_turns) for t in first]
     flat = [s for group in states for s in group]
     with torch.no_grad():
@@ -147,6 +164,9 @@ def main() -> None:
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over trajectories")
     parser.add_argument("--mc-samples", type=int, default=0,
                         help="also the Monte Carlo ground truth (M continuations per state) for iteration 1 under the warm start")
+    parser.add_argument("--mc-iterations", type=int, nargs="+", default=[1],
+                        help="iterations whose trajectories get the Monte Carlo truth (after 1, each needs the policy kept "
+                             "after the iteration before: checkpoint.keep_policies)")
     parser.add_argument("--mc-margin", type=float, default=0.25,
                         help="pairs count under the Monte Carlo truth when it differs by more (sampling noise)")
     parser.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv")
@@ -160,7 +180,12 @@ def main() -> None:
     for run in args.runs:
         cfg, trajs = load_run(run)
         last = max(t.iteration for t in trajs)
-        mc = mc_truths(run, cfg, trajs, args.mc_samples) if args.mc_samples > 0 else {}
+        mc: dict[int, list[float]] = {}
+        mc_iteration: dict[int, int] = {}
+        for it in args.mc_iterations if args.mc_samples > 0 else []:
+            got = mc_truths(run, cfg, trajs, args.mc_samples, it)
+            mc.update(got)
+            mc_iteration.update({key: it for key in got})
         for traj, gains, labels in label_run(cfg, trajs):
             n_traj += 1
             level = traj.env_id.split("/")[-1]
@@ -172,7 +197,7 @@ def main() -> None:
                 signals["credit"] = [float(np.sign(traj.seq_advantage)) * t.signals["multiplier"] for t in traj.turns]
             truths = {("expert", stage_of(traj.iteration, last)): gains}
             if id(traj) in mc:
-                truths[("mc", "iter1")] = mc[id(traj)]
+                truths[("mc", f"iter{mc_iteration[id(traj)]}")] = mc[id(traj)]
             for (truth, stage), values_t in truths.items():
                 for name, values in signals.items():
                     sig, tru = cells[(truth, traj.algorithm, level, stage, name)]
@@ -184,9 +209,11 @@ def main() -> None:
                     label_signal[(traj.algorithm, label)].append(turn.signals["evidence"])
 
     rows = []
-    order = STAGES + ("iter1",)
+    def stage_key(stage: str) -> tuple[int, int]:
+        return (0, STAGES.index(stage)) if stage in STAGES else (1, int(stage.removeprefix("iter")))
+
     for (truth, alg, level, stage, name), (sig, tru) in sorted(cells.items(), key=lambda kv: (
-            kv[0][0], kv[0][1], kv[0][2], order.index(kv[0][3]), SIGNAL_ORDER.index(kv[0][4]))):
+            kv[0][0], kv[0][1], kv[0][2], stage_key(kv[0][3]), SIGNAL_ORDER.index(kv[0][4]))):
         margin = args.margin if truth == "expert" else args.mc_margin
         q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
         rows.append({"truth": truth, "algorithm": alg, "env": level, "stage": stage, "signal": name,
@@ -201,7 +228,8 @@ def main() -> None:
              f"Commit {commit}.", "",
              f"Truth `expert`: the BabyAI bot's remaining path saved by the turn (margin {args.margin}); stages are thirds "
              f"of each run's logged iterations. Truth `mc`: Monte Carlo turn advantage V(s_k+1) - V(s_k) with "
-             f"{args.mc_samples} continuations per state under the warm start, on iteration 1 (margin {args.mc_margin}). "
+             f"{args.mc_samples} continuations per state under the policy that sampled the iteration (iterations "
+             f"{', '.join(map(str, args.mc_iterations))}; margin {args.mc_margin}). "
              "Signal `uniform` (A_seq on every turn) is the chance line: 0.5 exactly; `advantage` is the logged turn "
              "advantage (it carries the per-turn invalid-action and format penalties, so even GRPO's is not uniform); "
              "`credit` = sign(A_seq) * w_k, the credit method's own ordering without penalties.", "", f"    {command}", "",

@@ -34,6 +34,8 @@ class _Episode:
     """The environment's last observation: what ``observation`` shows unless a format error replaced it."""
     admissible: list[str] | None = None
     skill: str = ""
+    """The skill block of the teacher view (scope ``turn``: the current turn's)."""
+    skill_key: str = ""
     task_type: str = ""
     expert_steps: int = -1
     history: list[HistoryEntry] = field(default_factory=list)
@@ -100,12 +102,7 @@ class Collector:
 
     @staticmethod
     def _all_skill_lines(bank: SkillBank | None) -> tuple[str, ...]:
-        if bank is None:
-            return ()
-        lines = list(bank.general)
-        for cat in bank.categories:
-            lines += list(cat.skills) + list(cat.mistakes)
-        return tuple(lines)
+        return () if bank is None else bank.all_lines()
 
     def _envs(self, split: str, n: int) -> list[gym.Env]:
         pool = self._pools.setdefault(split, [])
@@ -197,10 +194,13 @@ class Collector:
         ep.admissible = info.get("admissible_actions")
         ep.task_type = str(info.get("task_type", ""))
         ep.expert_steps = int(info.get("expert_steps", -1))
-        if with_teacher and self.skill_bank is not None:
-            ep.skill = self.skill_bank.retrieve(str(info.get("skill_key", "")), ep.task).render()
+        ep.skill_key = str(info.get("skill_key", ""))
+        if with_teacher and self.skill_bank is not None and self.skill_bank.scope == "episode":
+            ep.skill = self.skill_bank.block(ep.skill_key, ep.task, ep.observation)
 
     def _views(self, ep: _Episode, with_teacher: bool) -> PromptViews:
+        if with_teacher and self.skill_bank is not None and self.skill_bank.scope == "turn":
+            ep.skill = self.skill_bank.block(ep.skill_key, ep.task, ep.env_state)  # this turn's situations only
         return self.prompts.build_views(ep.task, ep.history, ep.observation, ep.admissible, skill=ep.skill if with_teacher else "")
 
     def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res) -> None:
@@ -256,7 +256,7 @@ class Collector:
             score=ep.score,
             task_type=ep.task_type,
             expert_steps=ep.expert_steps,
-            skill_text=ep.skill,
+            skill_text=ep.skill if self.skill_bank is None or self.skill_bank.scope == "episode" else "",
             fault=ep.fault,
             truncated=ep.truncated,
             reward=float(success) if self.reward == "success" else ep.score,
