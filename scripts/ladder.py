@@ -1,0 +1,349 @@
+"""The credit ladder: GRPO against turn-level credit methods on BabyAI KeyDoorBox rungs of growing horizon.
+
+    python scripts/ladder.py --jobs 2                                   # the whole grid (resumable)
+    python scripts/ladder.py --levels KeyDoorBoxS5 --seeds 0 1 --iterations 2 --out /tmp/ladder   # a quick look
+    python scripts/ladder.py --table-only                               # rewrite the tables from finished runs
+
+Every run is ``train.py experiment=keydoor`` with the rung, algorithm and seed swapped. Pairing: the
+runs of one (rung, seed) share one warm start (its weights made once, then copied into each run)
+and one task stream (the seed fixes it), so a difference between methods at a seed is the methods'
+alone. Each run ends with two evaluations on the rung's 256 fixed evaluation tasks: greedy, and one
+episode per task at temperature 1 (the smooth measure: greedy success of a small policy tends to
+be all or nothing). The warm start's own evaluation is made once per (rung, seed).
+
+Resumable: a finished run is read back; a run cut short goes on from its last checkpoint when the
+code is the same commit (else it starts over from the shared warm start). The code trained is the
+commit checked out, exported once with ``git archive``: edits to the working tree while the grid
+runs cannot leak into it. After every run ``runs.csv`` and ``table.md`` (means with 95% bootstrap
+intervals over seeds, paired differences to GRPO, the horizon slope per method) and ``horizon.png``
+are rewritten under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quickstart_seeds import export_code, head_commit, log_rows, parse_seeds  # noqa: E402
+
+# rung -> turn limit: the expert's longest path on the 256 evaluation tasks plus room for the habits' wasted turns
+LEVELS = {"KeyDoorBoxS5": 40, "KeyDoorBoxS7": 52, "KeyDoorBoxS9": 64}
+METHODS = ["grpo", "agentopsd", "stepopsd", "gigpo"]
+ITERATIONS = 16
+DIAGNOSTICS = ["rollout/success", "credit/evidence_outcome_corr", "credit/mean_abs_revision", "credit/evidence_mean"]
+
+
+def evals(rows: list[dict[str, float]]) -> dict[int, dict[str, float]]:
+    """iteration -> its evaluation row (a later log wins: a resumed run evaluates again)."""
+    return {int(r["eval/iteration"]): r for r in rows if "eval/success" in r and "eval/iteration" in r}
+
+
+def _train(code: Path, run_dir: Path, level: str, method: str, seed: int, iterations: int, extra: list[str]) -> int:
+    cmd = [sys.executable, "train.py", "experiment=keydoor", f"env.id=agentopsd/BabyAI-{level}-v0", f"env.max_turns={LEVELS[level]}",
+           f"algorithm={method}", f"seed={seed}", f"num_iterations={iterations}", f"output_dir={run_dir}",
+           "trainer.enable_progress_bar=false", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HYDRA_FULL_ERROR": "1"}
+    with (run_dir / "stdout.log").open("a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        return subprocess.run(cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def warm_start(out: Path, code: Path, commit: str, level: str, seed: int, overrides: list[str]) -> Path:
+    """The (rung, seed) warm start: weights and the evaluation of them, made once and shared by every method."""
+    warm = out / "warm" / f"{level}-s{seed}"
+    if (warm / "before.json").exists():
+        return warm
+    run_dir = out / "runs" / f"{level}-warm-s{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    # one tiny iteration: its evaluation before training is the warm start's, for every method of this seed
+    rc = _train(code, run_dir, level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2", *overrides])
+    before = evals(log_rows(run_dir)).get(0)
+    if rc != 0 or before is None:
+        raise RuntimeError(f"warm start {level} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
+    warm.mkdir(parents=True, exist_ok=True)
+    for made in (run_dir / "warm_start").glob("policy-*.pt"):
+        shutil.copy(made, warm / made.name)
+    (warm / "before.json").write_text(json.dumps({"commit": commit, **before}))
+    return warm
+
+
+def run_one(out: Path, code: Path, commit: str, level: str, method: str, seed: int, iterations: int, overrides: list[str]) -> dict:
+    warm = warm_start(out, code, commit, level, seed, overrides)
+    run_dir = out / "runs" / f"{level}-{method}-s{seed}"
+    meta_path = run_dir / "meta.json"
+    if iterations not in evals(log_rows(run_dir)):
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        last = run_dir / "checkpoints" / "last.ckpt"
+        resume = last.exists() and meta.get("commit") == commit
+        if not resume:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            (run_dir / "warm_start").mkdir(parents=True)
+            for cached in warm.glob("policy-*.pt"):
+                shutil.copy(cached, run_dir / "warm_start" / cached.name)
+            meta = {}
+        extra = ["evaluation.before_training=false", "checkpoint.keep_policies=true", *overrides]
+        start = time.monotonic()
+        rc = _train(code, run_dir, level, method, seed, iterations, extra + ([f"ckpt_path={last}"] if resume else []))
+        meta = {"commit": commit, "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
+        meta_path.write_text(json.dumps(meta))
+        if rc != 0 or iterations not in evals(log_rows(run_dir)):
+            raise RuntimeError(f"{level} {method} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
+    return run_row(out, level, method, seed, iterations)
+
+
+def run_row(out: Path, level: str, method: str, seed: int, iterations: int) -> dict:
+    run_dir = out / "runs" / f"{level}-{method}-s{seed}"
+    rows = log_rows(run_dir)
+    after = evals(rows)[iterations]
+    before = json.loads((out / "warm" / f"{level}-s{seed}" / "before.json").read_text())
+    meta = json.loads((run_dir / "meta.json").read_text())
+    row = {"level": level, "method": method, "seed": seed, "iterations": iterations, "commit": meta["commit"],
+           "greedy_before": before["eval/success"], "sampled_before": before.get("eval/sampled/success", float("nan")),
+           "greedy_after": after["eval/success"], "sampled_after": after.get("eval/sampled/success", float("nan")),
+           "wall_s": round(meta["wall_s"], 1), "resumed": meta["resumed"]}
+    for key in DIAGNOSTICS:
+        vals = [r[key] for r in rows if key in r and r[key] == r[key]]
+        if vals:
+            row[key.replace("/", "_") + "_mean"] = statistics.fmean(vals)
+    return row
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def bootstrap(stat, samples: list, draws: int = 5000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """``stat`` of ``samples`` and its percentile bootstrap interval (resampling the samples: seeds)."""
+    point = stat(samples)
+    rng = random.Random(seed)
+    vals = sorted(v for v in (stat(rng.choices(samples, k=len(samples))) for _ in range(draws)) if v == v)
+    if len(samples) < 2 or not vals:
+        return point, float("nan"), float("nan")
+    tail = (1 - level) / 2
+    return point, vals[int(tail * len(vals))], vals[min(len(vals) - 1, int((1 - tail) * len(vals)))]
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys on xs (NaN with fewer than two distinct xs)."""
+    if len(set(xs)) < 2:
+        return float("nan")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def horizon_means(by_seed: dict[int, dict[str, float]], levels: list[str]) -> list[float]:
+    """Per rung, the mean over these seeds (a seed missing a rung is left out of that rung's mean)."""
+    return [statistics.fmean(v[lv] for v in by_seed.values() if lv in v) if any(lv in v for v in by_seed.values()) else float("nan")
+            for lv in levels]
+
+
+def _fmt(est: tuple[float, float, float], scale: float = 100.0, digits: int = 1) -> str:
+    p, lo, hi = est
+    if p != p:
+        return ""
+    return f"{scale * p:.{digits}f} [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]" if lo == lo else f"{scale * p:.{digits}f}"
+
+
+def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str) -> str:
+    levels = sorted({r["level"] for r in rows}, key=lambda lv: horizon[lv])
+    methods = [m for m in dict.fromkeys([*METHODS, *(r["method"] for r in rows)]) if any(r["method"] == m for r in rows)]
+    cell = {(r["level"], r["method"], r["seed"]): r for r in rows}
+    commits = sorted({r["commit"] for r in rows})
+    lines = [f"Command: `{command_line}`  ", f"Commit: {', '.join(c[:12] for c in commits)}", "",
+             "Rungs (the expert's mean path on the 256 evaluation tasks, turns): "
+             + ", ".join(f"{lv} {horizon[lv]:.1f}" for lv in levels), ""]
+    for measure, title in (("sampled", "Success at temperature 1 (one episode per evaluation task)"), ("greedy", "Greedy success")):
+        lines += [f"## {title}, % after RL: mean [95% bootstrap interval over seeds] (seeds)", "",
+                  "| method | " + " | ".join(levels) + " | slope, points per extra turn |", "|---" * (len(levels) + 2) + "|"]
+        warm = {lv: [r[f"{measure}_before"] for r in rows if r["level"] == lv and r["method"] == methods[0]] for lv in levels}
+        lines.append("| warm start | " + " | ".join(_fmt(bootstrap(statistics.fmean, warm[lv])) + f" ({len(warm[lv])})" if warm[lv] else ""
+                                                   for lv in levels) + " | |")
+        for m in methods:
+            by_seed: dict[int, dict[str, float]] = {}
+            for (lv, mm, s), r in cell.items():
+                if mm == m:
+                    by_seed.setdefault(s, {})[lv] = r[f"{measure}_after"]
+            cells = []
+            for lv in levels:
+                vals = [v[lv] for v in by_seed.values() if lv in v]
+                cells.append(_fmt(bootstrap(statistics.fmean, vals)) + f" ({len(vals)})" if vals else "")
+            xs = [horizon[lv] for lv in levels]
+            seeds = [s for s, v in by_seed.items() if all(lv in v for lv in levels)]
+            sl = bootstrap(lambda ss, xs=xs, d=by_seed: slope(xs, horizon_means({s: d[s] for s in ss}, levels)), seeds) if seeds else (float("nan"),) * 3
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(sl, digits=2)} |")
+        lines += ["", f"Paired difference to GRPO ({measure}, points): per seed the method's success minus GRPO's on the "
+                      "same warm start and task stream; mean [95% bootstrap interval] (pairs).", "",
+                  "| method | " + " | ".join(levels) + " | slope difference |", "|---" * (len(levels) + 2) + "|"]
+        for m in methods:
+            if m == "grpo":
+                continue
+            cells = []
+            diffs_by_seed: dict[int, dict[str, float]] = {}
+            for lv in levels:
+                diffs = {s: cell[(lv, m, s)][f"{measure}_after"] - cell[(lv, "grpo", s)][f"{measure}_after"]
+                         for (l2, mm, s) in cell if l2 == lv and mm == m and (lv, "grpo", s) in cell}
+                for s, d in diffs.items():
+                    diffs_by_seed.setdefault(s, {})[lv] = d
+                cells.append(_fmt(bootstrap(statistics.fmean, list(diffs.values()))) + f" ({len(diffs)})" if diffs else "")
+            xs = [horizon[lv] for lv in levels]
+            seeds = [s for s, v in diffs_by_seed.items() if all(lv in v for lv in levels)]
+            sl = bootstrap(lambda ss, xs=xs, d=diffs_by_seed: slope(xs, horizon_means({s: d[s] for s in ss}, levels)), seeds) if seeds else (float("nan"),) * 3
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(sl, digits=2)} |")
+        lines.append("")
+    lines += ["## Per run", "", "| rung | method | seed | greedy before → after | sampled before → after | train success | "
+              "evidence-outcome corr | wall s |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (horizon[r["level"]], r["seed"], methods.index(r["method"]))):
+        corr = r.get("credit_evidence_outcome_corr_mean")
+        lines.append(f"| {r['level']} | {r['method']} | {r['seed']} | {100 * r['greedy_before']:.1f} → {100 * r['greedy_after']:.1f} | "
+                     f"{100 * r['sampled_before']:.1f} → {100 * r['sampled_after']:.1f} | "
+                     f"{100 * r.get('rollout_success_mean', float('nan')):.1f} | {'' if corr is None else f'{corr:.3f}'} | {r['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], horizon: dict[str, float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r["level"] for r in rows}, key=lambda lv: horizon[lv])
+    methods = [m for m in dict.fromkeys([*METHODS, *(r["method"] for r in rows)]) if any(r["method"] == m for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, measure in zip(axes, ("sampled", "greedy")):
+        for k, m in enumerate(methods):
+            xs, ys, lo, hi = [], [], [], []
+            for lv in levels:
+                vals = [r[f"{measure}_after"] for r in rows if r["level"] == lv and r["method"] == m]
+                if vals:
+                    p, a, b = bootstrap(statistics.fmean, vals)
+                    a, b = (p, p) if a != a else (a, b)
+                    xs.append(horizon[lv] + 0.15 * (k - (len(methods) - 1) / 2))
+                    ys.append(100 * p)
+                    lo.append(100 * (p - a))
+                    hi.append(100 * (b - p))
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=m)
+        ax.set(xlabel="horizon: the expert's mean path (turns)", title=f"{measure} success after RL, 95% bootstrap intervals",
+               ylim=(-2, 102))
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("success (%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def expert_horizon(level: str) -> float:
+    """The expert's mean path on the rung's evaluation list (the horizon axis)."""
+    sys.path.insert(0, str(ROOT))
+    import gymnasium as gym
+
+    import envs  # noqa: F401  (registers the ids)
+
+    env = gym.make(f"agentopsd/BabyAI-{level}-v0", split="eval", disable_env_checker=True)
+    n = env.unwrapped.num_tasks
+    mean = statistics.fmean(env.reset(options={"task_index": k})[1]["expert_steps"] for k in range(n))
+    env.close()
+    return mean
+
+
+def write_results(rows: list[dict], out: Path, command_line: str) -> None:
+    horizon_path = out / "horizon.json"
+    horizon = json.loads(horizon_path.read_text()) if horizon_path.exists() else {}
+    for lv in {r["level"] for r in rows} - set(horizon):
+        horizon[lv] = expert_horizon(lv)
+    horizon_path.write_text(json.dumps(horizon, indent=1))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with (out / "runs.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(sorted(rows, key=lambda r: (horizon[r["level"]], r["seed"], r["method"])))
+    (out / "table.md").write_text(build_tables(rows, horizon, command_line))
+    plot(rows, horizon, out / "horizon.png")
+
+
+def read_rows(out: Path) -> list[dict]:
+    path = out / "runs.csv"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k, v in r.items():
+            if k not in ("level", "method", "commit"):
+                r[k] = float(v) if v not in ("", None) else float("nan")
+        r["seed"], r["iterations"] = int(r["seed"]), int(r["iterations"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", nargs="+", default=list(LEVELS), choices=list(LEVELS))
+    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--seeds", nargs="+", default=["0-9"], help="seeds or ranges: 0-9, or 0 3 7")
+    parser.add_argument("--iterations", type=int, default=ITERATIONS)
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "ladder")
+    parser.add_argument("--table-only", action="store_true", help="rewrite the tables from runs.csv, train nothing")
+    parser.add_argument("--code", type=Path, default=None,
+                        help="train from this checkout instead of an export of HEAD (e.g. . for uncommitted edits)")
+    parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every run")
+    args = parser.parse_args(argv)
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    command_line = "python scripts/ladder.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.table_only:
+        write_results(read_rows(args.out), args.out, command_line)
+        return
+    seeds = parse_seeds(args.seeds)
+    commit = head_commit()
+    code = args.code.resolve() if args.code else export_code(commit, Path(os.environ.get("TMPDIR", "/tmp")) / "ladder_src")
+    if args.code:
+        commit += "+worktree"
+    # rows of runs made earlier (other rungs, seeds or methods) stay in the table
+    keep = [r for r in read_rows(args.out) if (r["level"], r["method"], r["seed"]) not in
+            {(lv, m, s) for lv in args.levels for m in args.methods for s in seeds}]
+    rows: list[dict] = list(keep)
+    failures: list[str] = []
+    lock = threading.Lock()
+    # seed-major, then rung: a grid cut short holds every method of its first seeds (pairs complete)
+    jobs = [(lv, m, s) for s in seeds for lv in args.levels for m in args.methods]
+    warm_locks = {(lv, s): threading.Lock() for lv in args.levels for s in seeds}
+
+    def one(job: tuple[str, str, int]) -> None:
+        lv, m, s = job
+        try:
+            with warm_locks[(lv, s)]:  # the first method of a (rung, seed) makes its warm start, the others wait
+                warm_start(args.out, code, commit, lv, s, args.overrides)
+            row = run_one(args.out, code, commit, lv, m, s, args.iterations, args.overrides)
+        except RuntimeError as error:
+            failures.append(str(error))
+            print(error, file=sys.stderr, flush=True)
+            return
+        with lock:
+            rows.append(row)
+            write_results(list(rows), args.out, command_line)
+        print(f"{lv} {m} seed {s}: greedy {100 * row['greedy_before']:.0f} -> {100 * row['greedy_after']:.0f}, sampled "
+              f"{100 * row['sampled_before']:.1f} -> {100 * row['sampled_after']:.1f} in {row['wall_s']:.0f} s", flush=True)
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(one, jobs))
+    if failures:
+        raise SystemExit(f"{len(failures)} run(s) failed; rerun the same command to retry them")
+
+
+if __name__ == "__main__":
+    main()

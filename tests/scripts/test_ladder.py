@@ -1,0 +1,98 @@
+"""scripts/ladder.py: the statistics and tables of the powered comparison (synthetic rows, no training),
+and one tiny grid end to end (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("ladder", ROOT / "scripts" / "ladder.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_slope_is_exact_on_a_line_and_nan_without_two_rungs(ladder) -> None:
+    assert ladder.slope([20.0, 30.0, 40.0], [0.9, 0.7, 0.5]) == pytest.approx(-0.02)
+    assert ladder.slope([20.0, 20.0], [0.1, 0.2]) != ladder.slope([20.0, 20.0], [0.1, 0.2])
+
+
+def test_bootstrap_intervals_of_success_rates_stay_inside_0_and_1(ladder) -> None:
+    import statistics
+
+    vals = [0.0, 0.0, 1.0, 0.02, 0.98, 0.5, 0.0, 1.0, 0.01, 0.99]
+    p, lo, hi = ladder.bootstrap(statistics.fmean, vals)
+    assert 0.0 <= lo < p < hi <= 1.0
+    p, lo, hi = ladder.bootstrap(statistics.fmean, [0.3])  # one seed: no interval
+    assert p == 0.3 and lo != lo
+
+
+def _rows(effect: float) -> list[dict]:
+    """10 seeds x 2 rungs x {grpo, agentopsd}; agentopsd = grpo + effect at every seed (plus seed noise shared by both)."""
+    rows = []
+    for seed in range(10):
+        for level, base in (("KeyDoorBoxS5", 0.6), ("KeyDoorBoxS9", 0.3)):
+            noise = 0.05 * ((seed * 7) % 5 - 2)
+            for method, extra in (("grpo", 0.0), ("agentopsd", effect)):
+                rows.append({"level": level, "method": method, "seed": seed, "iterations": 16, "commit": "abc",
+                             "greedy_before": 0.0, "sampled_before": 0.1, "greedy_after": base + noise + extra,
+                             "sampled_after": base + noise + extra, "wall_s": 1.0, "resumed": 0})
+    return rows
+
+
+def test_paired_difference_and_slope_tables(ladder) -> None:
+    horizon = {"KeyDoorBoxS5": 20.0, "KeyDoorBoxS9": 35.0}
+    text = ladder.build_tables(_rows(0.1), horizon, "python scripts/ladder.py")
+    lines = text.splitlines()
+    # the paired difference is exactly +10 points at every seed: its interval collapses onto 10.0
+    diff = next(line for line in lines if line.startswith("| agentopsd |") and "10.0 [10.0, 10.0]" in line)
+    assert diff.count("(10)") == 2
+    # GRPO's slope: (30 - 60) / 15 = -2 points per turn
+    grpo = next(line for line in lines if line.startswith("| grpo |"))
+    assert "-2.00" in grpo
+    assert "| warm start |" in text and "Paired difference to GRPO" in text
+
+
+def test_rows_round_trip_through_runs_csv(ladder, tmp_path) -> None:
+    rows = _rows(0.0)
+    (tmp_path / "horizon.json").write_text(json.dumps({"KeyDoorBoxS5": 20.0, "KeyDoorBoxS9": 35.0}))
+    ladder.write_results(rows, tmp_path, "cmd")
+    back = ladder.read_rows(tmp_path)
+    assert len(back) == len(rows) and {r["seed"] for r in back} == set(range(10))
+    assert (tmp_path / "horizon.png").stat().st_size > 0 and "Paired difference" in (tmp_path / "table.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
+    """Two methods, one seed, one rung, one iteration: a shared warm start, both evaluations, the table;
+    a second invocation trains nothing."""
+    tiny = ["warm_start.episodes=20", "warm_start.steps=2", "data.tasks_per_batch=2", "data.group_size=2",
+            "evaluation.num_tasks=3", "model.hidden_size=32", "model.intermediate_size=64",
+            "rollout.max_new_tokens=6", "checkpoint.every_n_iterations=1"]
+    cmd = [sys.executable, "scripts/ladder.py", "--levels", "KeyDoorBoxS5", "--methods", "grpo", "agentopsd", "--seeds", "0",
+           "--iterations", "1", "--jobs", "1", "--out", str(tmp_path), "--code", str(ROOT), *tiny]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [p for p in (tmp_path / "runs").iterdir() if p.name != "latest"]  # the newest run's link
+    assert {p.name for p in rows} == {"KeyDoorBoxS5-warm-s0", "KeyDoorBoxS5-grpo-s0", "KeyDoorBoxS5-agentopsd-s0"}
+    weights = [sorted((tmp_path / "runs" / f"KeyDoorBoxS5-{m}-s0" / "warm_start").glob("policy-*.pt")) for m in ("grpo", "agentopsd")]
+    assert weights[0][0].read_bytes() == weights[1][0].read_bytes()  # one warm start shared by both methods
+    assert (tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "checkpoints" / "policy-000001.pt").is_file()
+    table = (tmp_path / "table.md").read_text()
+    assert "| agentopsd |" in table and "| grpo |" in table and "Success at temperature 1" in table
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0 and "greedy" in again.stdout
+    assert not list((tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "csv").glob("version_1"))  # nothing retrained
