@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import csv
 import html
+import importlib
 import json
 import math
 import subprocess
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +24,16 @@ matplotlib.use("Agg")  # headless: the report is written on servers and CI machi
 import matplotlib.pyplot as plt  # noqa: E402
 import webdataset as wds  # noqa: E402
 import yaml  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from agentopsd.credit_quality import pairwise_accuracy  # noqa: E402
 
 PRIOR_CLIP = 1e-4  # the success prior's clip: an all-won group starts at B_0 = 1 - 1e-4
 REPO = Path(__file__).resolve().parents[1]
+REPLAYABLE_PREFIX = "agentopsd/BabyAI-"
+"""Env ids whose logged trajectories replay from their task index and have an expert to label the turns."""
+LABEL_COLOURS = {"progress": "tab:green", "wasted": "tab:orange", "fatal": "tab:red", "lost": "tab:grey"}
 
 
 @dataclass(frozen=True)
@@ -208,6 +216,115 @@ def pick_credit_examples(records: list[dict]) -> list[dict]:
     return (won[-1:] + lost[-1:]) or with_credit[-1:]
 
 
+# ------------------------------------------------------------------ ground truth of a plotted trajectory
+
+
+@dataclass(frozen=True)
+class ExpertTruth:
+    """The BabyAI expert's verdict on every turn of one logged trajectory, or why there is none."""
+
+    path: tuple[int, ...]
+    """d(s_0) .. d(s_K) [K+1]: the bot's remaining path before each turn and after the last; -1: no way to win."""
+    labels: tuple[str, ...]
+    """[K] progress / wasted / fatal / lost (``groundtruth.expert_label``)."""
+    gains: tuple[float, ...]
+    """[K] the path each turn saved (``groundtruth.expert_gain``: fatal far below any real change)."""
+    missing: str
+    """Why there is no ground truth; empty when there is one."""
+
+    @classmethod
+    def unavailable(cls, reason: str) -> ExpertTruth:
+        return cls(path=(), labels=(), gains=(), missing=reason)
+
+
+def _register_envs() -> None:
+    """Register the agentopsd/* env ids (the env package may live at top level or inside agentopsd)."""
+    for name in ("agentopsd.envs", "envs"):
+        try:
+            importlib.import_module(name)
+            return
+        except ModuleNotFoundError:
+            continue
+
+
+def expert_truths(records: list[dict], env_config: dict) -> list[ExpertTruth]:
+    """Replay each record from its task index and label its turns by the expert's remaining path.
+
+    ``env_config``: the run's ``env`` config (``max_turns``, optional ``kwargs``). A record of an env
+    without an expert, or one whose replay fails, gets ``ExpertTruth.unavailable`` with the reason:
+    the report is written whatever the log holds. One env per id serves every record (building
+    one costs ~0.3 s; a replay with its labels ~5 ms per turn on PickupObj).
+    """
+    made: dict = {}
+    try:
+        return [_expert_truth(rec, env_config, made) for rec in records]
+    finally:
+        for env in made.values():
+            env.close()
+
+
+def _expert_truth(record: dict, env_config: dict, made: dict) -> ExpertTruth:
+    env_id = str(record.get("env", "?"))
+    if not env_id.startswith(REPLAYABLE_PREFIX):
+        return ExpertTruth.unavailable(f"{env_id} has none (only BabyAI envs replay from a task index and have an "
+                                       "expert to ask)")
+    if env_config.get("max_turns") is None:
+        return ExpertTruth.unavailable("the run's config has no env.max_turns to replay the trajectory with")
+    if not all("observation" in t for t in record["turns"]):
+        return ExpertTruth.unavailable("the log holds no observations to check a replay against")
+    max_turns = int(env_config["max_turns"])
+    try:
+        from agentopsd.groundtruth import (
+            LoggedTrajectory,
+            expert_gain,
+            expert_label,
+            expert_path,
+            make_env,
+            replay,
+        )
+
+        if env_id not in made:
+            _register_envs()
+            # the bot's path at reset is not needed here: expert_path measures every state itself
+            made[env_id] = make_env(env_id, max_turns, {**(env_config.get("kwargs") or {}), "compute_expert_steps": False})
+        traj = LoggedTrajectory.from_record(record, run="report", algorithm="")
+        path = expert_path(replay(made[env_id], traj, max_turns))
+    except Exception as err:  # noqa: BLE001  (a figure says why; the rest of the report still gets written)
+        return ExpertTruth.unavailable(f"the replay failed ({type(err).__name__}: {err})")
+    pairs = list(zip(path[:-1], path[1:]))
+    return ExpertTruth(path=tuple(path), labels=tuple(expert_label(b, a) for b, a in pairs),
+                       gains=tuple(expert_gain(b, a) for b, a in pairs), missing="")
+
+
+def credit_accuracy(record: dict, truth: ExpertTruth) -> tuple[float, int] | None:
+    """Pairwise accuracy of the credit sign(A_seq)·w_k [K] against the expert gain, with its pair count.
+
+    None without a ground truth, without multipliers, or when no two turns differ in expert gain.
+    A_seq = 0 makes the credit constant: exactly 0.5 (chance), as for GRPO.
+    """
+    turns = record["turns"]
+    if truth.missing or not all("multiplier" in t for t in turns):
+        return None
+    sign = math.copysign(1.0, record["seq_advantage"]) if record["seq_advantage"] != 0 else 0.0
+    return pairwise_accuracy([sign * t["multiplier"] for t in turns], list(truth.gains))
+
+
+def truth_caption(record: dict, truth: ExpertTruth) -> str:
+    """What a good credit method would do here, and how this trajectory's credit did."""
+    if truth.missing:
+        return f"Ground truth not available: {truth.missing}."
+    scored = credit_accuracy(record, truth)
+    score = (f"here the credit sign(A_seq)·w_k orders {scored[0]:.2f} of the {scored[1]} turn pairs that differ in expert "
+             "gain as the expert does (pairwise accuracy, 0.5 = chance)" if scored is not None
+             else "here no two turns differ in expert gain, so the credit's ordering cannot be scored")
+    return ("Ground truth, the BabyAI expert's remaining path before -> after each turn: a good credit method gives the "
+            f"largest |credit| to the turns that shortened it in a won game and to the fatal turn in a lost one; {score}.")
+
+
+def _path_text(d: int) -> str:
+    return str(d) if d >= 0 else "none"
+
+
 def credit_title(record: dict) -> str:
     """What the picture answers: which turn won a won game, which turn lost a lost one, and, when every
     copy of the task ended the same way, that there was no credit to assign."""
@@ -229,10 +346,11 @@ def credit_caption(record: dict, lam: float | None) -> str:
     return text
 
 
-def plot_credit(record: dict, path: Path, info: RunInfo, lam: float | None) -> None:
+def plot_credit(record: dict, path: Path, info: RunInfo, lam: float | None, truth: ExpertTruth) -> None:
     turns = record["turns"]
     k = list(range(len(turns)))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7, 0.6 * len(turns)), 6.2), sharex=True)
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(max(7, 0.6 * len(turns)), 8.4), sharex=True,
+                                              gridspec_kw={"height_ratios": (3, 2.4, 2)})
     top.bar(k, [t["revision"] for t in turns], color=["tab:green" if t["revision"] >= 0 else "tab:red" for t in turns], alpha=0.6,
             label="belief revision dB_k = B_k - B_(k-1)")
     top.plot(k, [t["belief"] for t in turns], "k.-", label="success belief B_k after turn k")
@@ -240,36 +358,74 @@ def plot_credit(record: dict, path: Path, info: RunInfo, lam: float | None) -> N
     top.set(ylabel="belief, revision")
     top.legend(fontsize=7, loc="best")
     w = [t["multiplier"] for t in turns]
-    bottom.plot(k, w, "b^", label="w_k (bounded multiplier)")
+    middle.plot(k, w, "b^", label="w_k (bounded multiplier)")
     if lam is not None:
-        bottom.bar(k, [(1 - lam) + lam * x for x in w], color="tab:purple", alpha=0.4, label=f"applied: (1 - lam) + lam·w_k, lam = {lam:g}")
+        middle.bar(k, [(1 - lam) + lam * x for x in w], color="tab:purple", alpha=0.4, label=f"applied: (1 - lam) + lam·w_k, lam = {lam:g}")
         low = min(min(w), 1.0) - 0.05
-        bottom.set_ylim(low, max(max(w), 1.0) + 0.05)
-    bottom.axhline(1, color="grey", lw=0.5)
-    bottom.set(ylabel="advantage multiplier", xlabel="turn k: the action taken")
+        middle.set_ylim(low, max(max(w), 1.0) + 0.05)
+    middle.axhline(1, color="grey", lw=0.5)
+    middle.set(ylabel="advantage multiplier")
+    middle.legend(fontsize=7, loc="best")
+    _plot_truth(bottom, truth)
     bottom.set_xticks(k, [_label(t["action"]) for t in turns], rotation=60, ha="right", fontsize=7)
-    bottom.legend(fontsize=7, loc="best")
+    for tick, label in zip(bottom.get_xticklabels(), truth.labels):  # the expert's verdict, at a glance
+        tick.set_color(LABEL_COLOURS[label])
+    bottom.set_xlabel("turn k: the action taken" + ("" if truth.missing else " (coloured by the expert's label)"))
     outcome = "won" if record["success"] else "lost"
     fig.suptitle(f"{credit_title(record)} ({outcome}, iteration {record['iteration']}, A_seq = {record['seq_advantage']:.2f})\n{info.label}",
                  fontsize=9)
-    fig.text(0.01, 0.005, credit_caption(record, lam), fontsize=6.5, wrap=True, va="bottom")
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.text(0.01, 0.005, credit_caption(record, lam) + " " + truth_caption(record, truth), fontsize=6.5, wrap=True, va="bottom")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_truth(ax, truth: ExpertTruth) -> None:
+    """The expert path each turn saved (+1 progress, 0 or less wasted); a fatal turn as a hatched bar below the rest."""
+    if truth.missing:
+        ax.set_yticks([])
+        width = int(ax.get_window_extent().width / 6)  # characters of 7-point text that fit across the panel
+        ax.text(0.5, 0.5, textwrap.fill(f"Ground truth not available: {truth.missing}", max(width, 40)), transform=ax.transAxes,
+                ha="center", va="center", fontsize=7, color="dimgrey")
+        return
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set_ylabel("expert path saved")
+    real = [g for g, label in zip(truth.gains, truth.labels) if label != "fatal"]
+    fatal_depth = -max(2.0, max((abs(g) for g in real), default=0.0) + 1.0)  # below every real change, not at -100
+    heights = [fatal_depth if label == "fatal" else g for g, label in zip(truth.gains, truth.labels)]
+    bars = ax.bar(range(len(heights)), heights, color=[LABEL_COLOURS[label] for label in truth.labels], alpha=0.8,
+                  hatch=["xx" if label == "fatal" else "" for label in truth.labels])
+    texts = [f"{_path_text(b)}→{_path_text(a)}" for b, a in zip(truth.path[:-1], truth.path[1:])]
+    ax.bar_label(bars, labels=texts, fontsize=6, padding=1)
+    for k, (height, label) in enumerate(zip(heights, truth.labels)):
+        if height == 0:  # a zero bar is invisible: mark it ("x": played after the game was already lost)
+            ax.plot([k], [0], "x" if label == "lost" else "_", ms=10, mew=2.5, color=LABEL_COLOURS[label])
+    ax.set_ylim(min(heights + [0.0]) - 0.8, max(heights + [0.0]) + 0.8)
+    present = [name for name in LABEL_COLOURS if name in truth.labels]
+    ax.legend(handles=[Patch(color=LABEL_COLOURS[n], hatch="xx" if n == "fatal" else "", label=n) for n in present],
+              fontsize=7, loc="best", ncol=len(present), title="expert label (path before→after)", title_fontsize=7)
 
 
 # ------------------------------------------------------------------ the page
 
 
-def _credit_table(record: dict, lam: float | None) -> str:
+def _credit_table(record: dict, lam: float | None, truth: ExpertTruth) -> str:
     applied = (lambda w: f"{(1 - lam) + lam * w:.3f}") if lam is not None else (lambda w: "")
+
+    def expert(k: int) -> str:
+        if truth.missing:
+            return "<td>n/a</td><td>n/a</td>"
+        label = truth.labels[k]
+        return (f"<td>{_path_text(truth.path[k])} -> {_path_text(truth.path[k + 1])}</td>"
+                f"<td style='color:{LABEL_COLOURS[label].removeprefix('tab:')}'>{label}</td>")
+
     rows = "".join(
         f"<tr><td>{t['k']}</td><td>{html.escape(_label(t['action'], 60))}</td><td>{t['belief']:.3f}</td><td>{t['revision']:+.3f}</td>"
-        f"<td>{t['multiplier']:.3f}</td><td>{applied(t['multiplier'])}</td><td>{t.get('advantage', 0):+.3f}</td></tr>"
-        for t in record["turns"]
+        f"<td>{t['multiplier']:.3f}</td><td>{applied(t['multiplier'])}</td><td>{t.get('advantage', 0):+.3f}</td>{expert(i)}</tr>"
+        for i, t in enumerate(record["turns"])
     )
-    return ("<table><tr><th>k</th><th>action</th><th>B_k</th><th>dB_k</th><th>w_k</th><th>(1-lam)+lam·w_k</th><th>At_k</th></tr>"
-            f"{rows}</table>")
+    return ("<table><tr><th>k</th><th>action</th><th>B_k</th><th>dB_k</th><th>w_k</th><th>(1-lam)+lam·w_k</th><th>At_k</th>"
+            f"<th>expert path before -> after</th><th>label</th></tr>{rows}</table>")
 
 
 def credit_statistics(rows: list[dict[str, float]]) -> dict[str, tuple[float, float, int]]:
@@ -312,12 +468,14 @@ def write_report(run_dir: str | Path, config: dict | None = None) -> Path:
     evals_x, _ = series(rows, "eval/success")
     plot_horizon(table, out / "horizon.png", info, int(evals_x[-1]) if evals_x else 0)
     sections = []
-    for i, rec in enumerate(pick_credit_examples(records)):
-        plot_credit(rec, out / f"credit_{i}.png", info, lam)
+    examples = pick_credit_examples(records)
+    for i, (rec, truth) in enumerate(zip(examples, expert_truths(examples, info.config.get("env") or {}))):
+        plot_credit(rec, out / f"credit_{i}.png", info, lam, truth)
         task = html.escape(f"{rec['env']} task {rec['task_index']} ({rec['task_type']}), iteration {rec['iteration']}: "
                            f"{'won' if rec['success'] else 'lost'}, A_seq = {rec['seq_advantage']:.2f}")
+        captions = f"{html.escape(credit_caption(rec, lam))}</p><p>{html.escape(truth_caption(rec, truth))}"
         sections.append(f"<h3>{html.escape(credit_title(rec))}</h3><p>{task}</p>"
-                        f"<img src='credit_{i}.png'><p>{html.escape(credit_caption(rec, lam))}</p>{_credit_table(rec, lam)}")
+                        f"<img src='credit_{i}.png'><p>{captions}</p>{_credit_table(rec, lam, truth)}")
     has_before = any("before" in v for v in table.values())
     horizon_rows = "".join(
         f"<tr><td>{b}</td><td>{int(v['n']) if v['n'] == v['n'] else '?'}</td>" + (f"<td>{v.get('before', float('nan')):.2f}</td>" if has_before else "")
@@ -340,7 +498,9 @@ Iterations are counted as completed iterations everywhere (0 = before training).
 <h2>Success by horizon</h2><img src="horizon.png">
 <table><tr><th>expert turns</th><th>episodes</th>{'<th>before RL</th>' if has_before else ''}<th>after</th></tr>{horizon_rows}</table>
 <h2>Credit per turn</h2><p>Per turn: the success belief B_k after the turn, its revision dB_k (the evidence the skill-aware
-teacher view gave), the bounded multiplier w_k and the multiplier applied to the GRPO advantage, (1 - lam) + lam·w_k.</p>
+teacher view gave), the bounded multiplier w_k and the multiplier applied to the GRPO advantage, (1 - lam) + lam·w_k;
+beside them the ground truth where the env has one (BabyAI): the expert's remaining path before and after the turn and its
+label (progress: the path shrank; wasted: it did not; fatal: the game could no longer be won; lost: it already could not).</p>
 {''.join(sections) or '<p>No rollout shard with credit values (GRPO runs have none).</p>'}
 <h2>Credit statistics</h2>{stats_html}
 <h2>Config</h2><details><summary>the resolved config of this run (seed {html.escape(info.seed)})</summary><pre>{html.escape(config_text)}</pre></details>

@@ -1,6 +1,8 @@
-"""Which trajectories the report draws as credit pictures."""
+"""The run report: which trajectories it draws, the numbers it shows, and the expert's ground truth beside the credit."""
 
 from __future__ import annotations
+
+import pytest
 
 from agentopsd.report import pick_credit_examples
 
@@ -98,3 +100,119 @@ def test_the_page_names_the_run_and_shows_config_seed_and_credit_statistics(tmp_
     assert "0.950" in page  # (1 - 0.5) + 0.5 * 0.9: the multiplier applied to turn 0
     for image in re.findall(r"src=['\"]([^'\"]+)['\"]", page):
         assert (run / "report" / image).read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------ the expert's ground truth beside the credit
+
+PICKUP = "agentopsd/BabyAI-PickupObj-v0"
+WON_MOVES = ["drop", "go forward", "turn right", "pick up"]  # task 9, the green key 3 turns away: a wasted turn first
+LOST_MOVES = ["go forward", "turn left", "toggle", "go forward"]  # task 6, the grey box: toggled (it vanishes), then moved on
+
+
+def _played(env_id: str, task_index: int, moves: list[str], multipliers: list[float], seq_advantage: float, max_turns: int = 12) -> dict:
+    """A rollout-shard record (the fields ``trajectory_records`` writes) of a scripted episode, observations as the env gave them."""
+    import envs  # noqa: F401  (registers the ids)
+    from agentopsd.groundtruth import advance, make_env, start
+
+    state = start(make_env(env_id, max_turns), task_index)
+    turns = []
+    for k, (move, w) in enumerate(zip(moves, multipliers)):
+        advance(state, move)
+        turns.append({"k": k, "action": move, "observation": state.observation, "reward": float(state.won), "valid": True,
+                      "belief": 0.5, "revision": w - 1.0, "multiplier": w, "evidence": 0.0, "advantage": seq_advantage * w})
+    return {"iteration": 1, "env": env_id, "task_index": task_index, "group": 0, "success": state.won, "score": float(state.won),
+            "task_type": "pickup", "skill": "", "seq_advantage": seq_advantage, "turns": turns}
+
+
+def _won_and_lost() -> list[dict]:
+    # won: the wasted turn gets w = 1.0 and the first progress turn less (0.9), the others more: 2 of 3 pairs right
+    won = _played(PICKUP, 9, WON_MOVES, [1.0, 0.9, 1.1, 1.1], 0.5)
+    # lost: the fatal toggle gets the largest w (the most negative advantage), progress the least: every pair right
+    lost = _played(PICKUP, 6, LOST_MOVES, [0.8, 0.8, 1.2, 1.0], -0.5)
+    assert won["success"] and not lost["success"]
+    return [won, lost]
+
+
+def _run_folder(root, records: list[dict]):
+    from callbacks.rollout_logging import write_shard
+
+    run = root / "run"
+    (run / "csv" / "version_0").mkdir(parents=True)
+    (run / "csv" / "version_0" / "metrics.csv").write_text("step,rollout/iteration,rollout/success\n1,1.0,0.5\n")
+    write_shard(run / "rollouts" / "rollouts-000001.tar", records)
+    return run
+
+
+def test_a_replayed_record_gets_the_expert_labels_known_for_its_moves() -> None:
+    from agentopsd.groundtruth import FATAL_GAIN
+    from agentopsd.report import credit_accuracy, expert_truths
+
+    won, lost = _won_and_lost()
+    t_won, t_lost = expert_truths([won, lost], {"id": PICKUP, "max_turns": 12})
+    assert not t_won.missing and not t_lost.missing
+    assert t_won.path == (3, 3, 2, 1, 0) and t_won.labels == ("wasted", "progress", "progress", "progress")
+    assert t_won.gains == (0.0, 1.0, 1.0, 1.0)
+    assert t_lost.path == (3, 2, 1, -1, -1) and t_lost.labels == ("progress", "progress", "fatal", "lost")
+    assert t_lost.gains == (1.0, 1.0, -FATAL_GAIN, 0.0)
+    assert credit_accuracy(won, t_won) == (2 / 3, 3)
+    assert credit_accuracy(lost, t_lost) == (1.0, 5)
+    assert credit_accuracy(dict(won, seq_advantage=0.0), t_won) == (0.5, 3)  # no credit to assign: chance exactly
+
+
+def test_the_page_shows_the_expert_path_and_labels_beside_the_credit(tmp_path) -> None:
+    import re
+
+    from agentopsd.report import write_report
+
+    run = _run_folder(tmp_path, _won_and_lost())
+    config = {"name": "quickstart", "seed": 0, "algorithm": {"name": "agentopsd", "mult_lambda": 0.5},
+              "env": {"id": PICKUP, "max_turns": 12}}
+    page = write_report(run, config=config).read_text()
+    assert page.count("<th>expert path before -> after</th><th>label</th>") == 2
+    cells = re.findall(r"<td>([^<]*)</td><td style='color:\w+'>(\w+)</td></tr>", page)
+    assert cells == [("3 -> 3", "wasted"), ("3 -> 2", "progress"), ("2 -> 1", "progress"), ("1 -> 0", "progress"),
+                     ("3 -> 2", "progress"), ("2 -> 1", "progress"), ("1 -> none", "fatal"), ("none -> none", "lost")]
+    assert "largest |credit| to the turns that shortened it in a won game and to the fatal turn in a lost one" in page
+    assert "orders 0.67 of the 3 turn pairs" in page and "orders 1.00 of the 5 turn pairs" in page
+    assert "not available" not in page
+    for image in ("credit_0.png", "credit_1.png"):
+        assert (run / "report" / image).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_without_a_replayable_env_the_report_says_the_ground_truth_is_not_available(tmp_path) -> None:
+    from agentopsd.report import expert_truths, write_report
+    from tests.conftest import TOY_ID
+
+    walk = [{"k": k, "action": "right", "observation": f"You are at position {k + 1}.", "reward": 0.0, "valid": True,
+             "belief": 0.5, "revision": 0.0, "multiplier": 1.0 + 0.1 * k, "advantage": 0.5} for k in range(3)]
+    records = [{"iteration": 1, "env": TOY_ID, "task_index": 1, "group": 0, "success": True, "score": 1.0, "task_type": "walk",
+                "skill": "", "seq_advantage": 0.5, "turns": walk}]
+    run = _run_folder(tmp_path, records)
+    page = write_report(run, config={"seed": 0, "env": {"id": TOY_ID, "max_turns": 10}}).read_text()
+    assert f"Ground truth not available: {TOY_ID} has none (only BabyAI envs" in page
+    assert "<td>n/a</td><td>n/a</td></tr>" in page and "Which turn won the game?" in page
+    assert (run / "report" / "credit_0.png").read_bytes()[:4] == b"\x89PNG"
+    # a BabyAI log the replay cannot reproduce (another level, or an edited log) falls back the same way
+    tampered = _won_and_lost()[0]
+    tampered["turns"][1]["observation"] = "something else"
+    (truth,) = expert_truths([tampered], {"max_turns": 12})
+    assert truth.missing.startswith("the replay failed (ValueError:") and "turn 1: replayed observation differs" in truth.missing
+    (truth,) = expert_truths([tampered], {})
+    assert truth.missing == "the run's config has no env.max_turns to replay the trajectory with"
+
+
+@pytest.mark.slow
+def test_the_report_of_a_tiny_babyai_run_labels_every_plotted_turn(tmp_path) -> None:
+    """``train.py experiment=babyai_tiny report=true``: a real run, its logged turns replayed by the report."""
+    import re
+
+    from tests.test_train import run_train
+
+    out = tmp_path / "babyai_tiny"
+    run_train("experiment=babyai_tiny", f"output_dir={out}", "report=true", "trainer.enable_progress_bar=false")
+    page = (out / "report" / "index.html").read_text()
+    credit = page[page.index("<h2>Credit per turn"):page.index("<h2>Credit statistics")]
+    assert credit.count("<th>expert path before -> after</th><th>label</th>") >= 1 and "not available" not in credit
+    rows = re.findall(r"<td>(\d+|none) -> (\d+|none)</td><td style='color:\w+'>(progress|wasted|fatal|lost)</td></tr>", credit)
+    assert rows and len(rows) == credit.count("</td></tr>")  # every plotted turn carries its expert path and label
+    assert "turn pairs" in credit or "no two turns differ in expert gain" in credit
