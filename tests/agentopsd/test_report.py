@@ -111,9 +111,10 @@ LOST_MOVES = ["go forward", "turn left", "toggle", "go forward"]  # task 6, the 
 
 def _played(env_id: str, task_index: int, moves: list[str], multipliers: list[float], seq_advantage: float, max_turns: int = 12) -> dict:
     """A rollout-shard record (the fields ``trajectory_records`` writes) of a scripted episode, observations as the env gave them."""
-    import envs  # noqa: F401  (registers the ids)
     from agentopsd.groundtruth import advance, make_env, start
+    from agentopsd.report import _register_envs
 
+    _register_envs()  # wherever the env package lives
     state = start(make_env(env_id, max_turns), task_index)
     turns = []
     for k, (move, w) in enumerate(zip(moves, multipliers)):
