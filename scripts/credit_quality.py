@@ -77,14 +77,31 @@ def stage_of(iteration: int, last: int) -> str:
     return STAGES[min(2, (iteration - 1) * 3 // max(last, 1))]
 
 
-def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTrajectory, list[float], list[str]]]:
+def turn_kind(bank, observation: str) -> str:
+    """What the teacher view knew on a turn: the situations a turn-scoped skill bank saw in the observation
+    (``routine`` when none: the two views were the same tokens), or ``skill`` for a bank that informs every turn."""
+    if bank is None:
+        return "none"
+    if bank.scope != "turn":
+        return "skill"
+    return "+".join(bank.situational(observation).categories) or "routine"
+
+
+def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTrajectory, list[float], list[str], list[str]]]:
+    """Per trajectory: the expert gain and label of every turn, and the turn's kind (``turn_kind``)."""
+    from agentopsd.skills import SkillBank
+
     max_turns = int(cfg["env"]["max_turns"])
     env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
+    skills = cfg["env"].get("skills")
+    bank = SkillBank.for_env(skills) if skills else None
     out = []
     for traj in trajs:
-        path = expert_path(replay(env, traj, max_turns))
+        states = replay(env, traj, max_turns)
+        path = expert_path(states)
         pairs = list(zip(path[:-1], path[1:]))
-        out.append((traj, [expert_gain(b, a) for b, a in pairs], [expert_label(b, a) for b, a in pairs]))
+        kinds = [turn_kind(bank, s.observation) for s in states[:-1]]
+        out.append((traj, [expert_gain(b, a) for b, a in pairs], [expert_label(b, a) for b, a in pairs], kinds))
     env.close()
     return out
 
@@ -176,6 +193,8 @@ def main() -> None:
     cells: dict[tuple[str, str, str, str, str], tuple[list, list]] = defaultdict(lambda: ([], []))
     label_signal: dict[tuple[str, str], list[float]] = defaultdict(list)
     label_count: dict[tuple[str, str], int] = defaultdict(int)
+    kind_signal: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    kind_count: dict[tuple[str, str, str], int] = defaultdict(int)
     n_traj = 0
     for run in args.runs:
         cfg, trajs = load_run(run)
@@ -186,7 +205,7 @@ def main() -> None:
             got = mc_truths(run, cfg, trajs, args.mc_samples, it)
             mc.update(got)
             mc_iteration.update({key: it for key in got})
-        for traj, gains, labels in label_run(cfg, trajs):
+        for traj, gains, labels, kinds in label_run(cfg, trajs):
             n_traj += 1
             level = traj.env_id.split("/")[-1]
             signals = {name: [t.signals[name] for t in traj.turns] for name in ("advantage", "evidence", "revision")
@@ -203,10 +222,12 @@ def main() -> None:
                     sig, tru = cells[(truth, traj.algorithm, level, stage, name)]
                     sig.append(values)
                     tru.append(values_t)
-            for turn, label in zip(traj.turns, labels):
+            for turn, label, kind in zip(traj.turns, labels, kinds):
                 label_count[(traj.algorithm, label)] += 1
+                kind_count[(traj.algorithm, kind, label)] += 1
                 if "evidence" in turn.signals:
                     label_signal[(traj.algorithm, label)].append(turn.signals["evidence"])
+                    kind_signal[(traj.algorithm, kind, label)].append(turn.signals["evidence"])
 
     rows = []
     def stage_key(stage: str) -> tuple[int, int]:
@@ -240,6 +261,14 @@ def main() -> None:
     for (alg, label), count in sorted(label_count.items()):
         ev = label_signal.get((alg, label), [])
         lines.append(f"| {alg} | {label} | {count} | {np.mean(ev):.3f} |" if ev else f"| {alg} | {label} | {count} | n/a |")
+    lines += ["", "Evidence e_k by turn kind (what the teacher view knew on the turn: a turn-scoped skill's situation, "
+                  "`routine` where the two views were the same tokens, `skill` where every turn held the skill block) and "
+                  "expert label: turns, mean, standard deviation, share with |e_k| > 0.1.", "",
+              "| algorithm | kind | label | turns | mean evidence | std | share |e| > 0.1 |", "|---|---|---|---|---|---|---|"]
+    for (alg, kind, label), count in sorted(kind_count.items()):
+        ev = np.asarray(kind_signal.get((alg, kind, label), []))
+        cells = f"{ev.mean():.3f} | {ev.std():.3f} | {np.mean(np.abs(ev) > 0.1):.2f}" if ev.size else "n/a | | "
+        lines.append(f"| {alg} | {kind} | {label} | {count} | {cells} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
