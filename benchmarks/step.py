@@ -13,14 +13,24 @@ policy's own turns (at most 12 tokens of ``<action>...</action>``, so prompt pre
 and for think-length turns of ``--response-tokens`` tokens (default 128; no stop string, only EOS
 ends a turn early). The paper's setups write a think block before the action (``think_action``
 format, up to 512 new tokens per turn), so the second line is the one that looks like them.
+
+``--forward-ab`` measures the transformers generator's decode path against the one it replaced, side
+by side on the same seeded rollouts (outputs are bit-identical, so the turn and token counts must
+match): the decoder and LM head called apart with each decode step's 4-D mask handed over ready-made,
+against the whole causal-LM call that builds its mask every step. With ``--quickstart`` the rollouts
+are the quickstart's own (its composed config, its model after its warm start, which is cached under
+``runs/quickstart/warm_start`` by any earlier ``python train.py``, else trained first: 1-2 minutes;
+one training batch with both prompt views): lockstep only, no sequential side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -29,6 +39,7 @@ from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import collate_trajectories, sample_tasks
 from agentopsd.module import AgentRLModule
+from agentopsd.rollout import hf
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.tiny import tiny_policy
@@ -80,6 +91,78 @@ def iteration_seconds(modules: list[AgentRLModule], trajectories, repeats: int =
     return best
 
 
+@contextlib.contextmanager
+def whole_model_forward():
+    """The generator's decode path before the split: the whole causal LM, building its mask each step."""
+    saved = hf._decoder_and_head, hf._takes_prepared_mask
+    hf._decoder_and_head, hf._takes_prepared_mask = (lambda model: None), (lambda model: False)
+    try:
+        yield
+    finally:
+        hf._decoder_and_head, hf._takes_prepared_mask = saved
+
+
+def timed_rollout(collector: Collector, tasks, sampling: SamplingConfig, *, one_at_a_time: bool = False,
+                  with_teacher: bool = False, seed: int = 0) -> tuple[float, int, int]:
+    """(seconds, environment turns, generated tokens) of one seeded rollout of ``tasks``."""
+    torch.manual_seed(seed)
+    groups = [[t] for t in tasks] if one_at_a_time else [list(tasks)]
+    turns = tokens = 0
+    t0 = time.perf_counter()
+    for group in groups:
+        turns += sum(len(t.turns) for t in collector.collect(group, with_teacher=with_teacher, sampling=sampling))
+        tokens += collector.stats.generated_tokens
+    return time.perf_counter() - t0, turns, tokens
+
+
+def forward_ab(collector: Collector, tasks, sampling: SamplingConfig, repeats: int, *, sequential: bool = True,
+               with_teacher: bool = False) -> str:
+    """Lockstep (and sequential) rollouts with the whole-model decode path and the split one, alternating,
+    best of ``repeats`` each; both must generate the same turns and tokens."""
+    collector._envs(tasks[0].split, len(tasks))  # the env pool, built untimed
+    sides = {"whole model": whole_model_forward, "decoder + head": contextlib.nullcontext}
+    best: dict[str, dict[str, tuple[float, int, int]]] = {name: {} for name in sides}
+    for r in range(repeats):
+        for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+            with sides[name]():
+                runs = {"lockstep": timed_rollout(collector, tasks, sampling, with_teacher=with_teacher)}
+                if sequential:
+                    runs["sequential"] = timed_rollout(collector, tasks[:16], sampling, one_at_a_time=True, seed=1)
+            for kind, run in runs.items():
+                best[name][kind] = min(best[name].get(kind, run), run)
+    old, new = best["whole model"], best["decoder + head"]
+    if any(old[k][1:] != new[k][1:] for k in old):
+        raise RuntimeError(f"the two decode paths generated different rollouts: {old} vs {new}")
+    parts = [f"{k} {old[k][0]:.2f} s -> {new[k][0]:.2f} s ({old[k][0] / new[k][0]:.3f}x; "
+             f"{new[k][1]} turns, {new[k][2] / new[k][1]:.1f} tokens/turn)" for k in old]
+    if sequential:
+        fig = {name: (b["lockstep"][1] / b["lockstep"][0]) / (b["sequential"][1] / b["sequential"][0]) for name, b in best.items()}
+        parts.append(f"[2] {fig['whole model']:.2f}x -> {fig['decoder + head']:.2f}x")
+    return f"whole model -> decoder + head, best of {repeats}: " + " | ".join(parts)
+
+
+def quickstart_collector():
+    """The quickstart's module (composed config, its model after its warm start) and one training batch."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from agentopsd import runs
+    from agentopsd.warmstart import warm_start
+
+    runs.register_resolvers()
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=["output_dir=/tmp/agentopsd-step"])
+    model, tokenizer = instantiate(cfg.model)
+    warm_start(model, tokenizer, cfg.env, cfg.warm_start, root / "runs" / "quickstart" / "warm_start")
+    module = AgentRLModule(model, tokenizer, algorithm=instantiate(cfg.algorithm), env=instantiate(cfg.env),
+                           rollout=instantiate(cfg.rollout), optim=instantiate(cfg.optim),
+                           evaluation=instantiate(cfg.evaluation), num_iterations=cfg.num_iterations, seed=cfg.seed)
+    module.model.eval()
+    tasks = sample_tasks(cfg.env.id, 50, cfg.data.tasks_per_batch, cfg.data.group_size, 0, seed=cfg.seed)
+    return module.collector, tasks
+
+
 def lockstep_vs_sequential(collector: Collector, tasks: list[TaskSpec], sampling: SamplingConfig, repeats: int) -> str:
     """Environment turns per second: all tasks in lockstep, then 16 of them one at a time.
 
@@ -122,8 +205,15 @@ def main() -> None:
     parser.add_argument("--response-tokens", type=int, default=128,
                         help="also measure [2] with N generated tokens per turn (think-then-act length); 0 = off")
     parser.add_argument("--repeats", type=int, default=3, help="[2]: runs per side, fastest kept")
+    parser.add_argument("--forward-ab", action="store_true",
+                        help="[2]: the generator's split decode path against the whole-model call, side by side")
+    parser.add_argument("--quickstart", action="store_true", help="--forward-ab on the quickstart's own rollouts (and nothing else)")
     args = parser.parse_args()
     figures = {int(f) for f in args.figures.split(",")}
+    if args.quickstart:
+        collector, tasks = quickstart_collector()
+        print(f"quickstart rollout: {forward_ab(collector, tasks, collector.sampling, args.repeats, sequential=False, with_teacher=True)}")
+        return
     model, tokenizer = tiny_policy(args.env, skills=args.skills)
     tasks = sample_tasks(args.env, 50, args.envs // 8, 8, 0, seed=0)
     grpo = build(args.env, args.skills, Algorithm(), model, tokenizer, args.max_turns, args.skill_max_general)
@@ -148,10 +238,11 @@ def main() -> None:
         collector = grpo.collector
         grpo.model.eval()
         own = collector.sampling.max_new_tokens
-        print(f"[2] the policy's own turns (<= {own} tokens): {lockstep_vs_sequential(collector, tasks, collector.sampling, args.repeats)}")
+        measure = forward_ab if args.forward_ab else lockstep_vs_sequential
+        print(f"[2] the policy's own turns (<= {own} tokens): {measure(collector, tasks, collector.sampling, args.repeats)}")
         if args.response_tokens > 0:
             long = replace(collector.sampling, max_new_tokens=args.response_tokens, stop_strings=())
-            print(f"[2] {args.response_tokens}-token turns: {lockstep_vs_sequential(collector, tasks, long, args.repeats)}")
+            print(f"[2] {args.response_tokens}-token turns: {measure(collector, tasks, long, args.repeats)}")
 
 
 if __name__ == "__main__":

@@ -254,7 +254,8 @@ def test_train_mode_restored_and_no_grad(tok):
     model = build_tiny_policy(tok, TINY)
     model.train()
     seen = []
-    model.register_forward_hook(lambda mod, args, out: seen.append((mod.training, torch.is_grad_enabled())))
+    for part in (model.get_decoder(), model.get_output_embeddings()):  # what generation calls
+        part.register_forward_hook(lambda mod, args, out: seen.append((mod.training, torch.is_grad_enabled())))
     HFGenerator(model, tok).generate(random_prompts(tok), SamplingConfig(max_new_tokens=3, stop_strings=()))
     assert seen and all(state == (False, False) for state in seen)
     assert model.training
@@ -518,3 +519,30 @@ def test_seeded_outputs_are_pinned(tok):
         assert [list(g.token_ids) for g in gens] == tokens, name
         for g, want in zip(gens, logprobs):
             assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(want), atol=2e-4), name
+
+
+@pytest.mark.parametrize("case", ["batch", "alone", "eos"])
+def test_decoder_and_head_apart_with_prepared_masks_change_no_bit(tok, monkeypatch, case):
+    """Generation calls the decoder and LM head apart and hands decode steps their 4-D mask; the whole
+    model building its own mask each step gives bit-identical tokens and log-probs."""
+    model = build_tiny_policy(tok, {**TINY, "num_key_value_heads": 1, "initializer_range": 0.3}, seed=0).eval()
+    if case == "eos":
+        model.generation_config.eos_token_id = [tok.eos_token_id, 17, 246, 231]
+    prompts, sampling = _pinned_cases(tok)[case]
+    assert hf_module._takes_prepared_mask(model) and hf_module._decoder_and_head(model) is not None  # the fast path runs
+    decode_masks = []
+    real_decode_mask = hf_module._decode_mask
+    monkeypatch.setattr(hf_module, "_decode_mask", lambda *a: decode_masks.append(real_decode_mask(*a)) or decode_masks[-1])
+    fast = HFGenerator(model, tok).generate(prompts, sampling)
+    assert decode_masks and all(m["full_attention"] is None for m in decode_masks) == (case == "alone")
+    monkeypatch.setattr(hf_module, "_takes_prepared_mask", lambda model: False)
+    monkeypatch.setattr(hf_module, "_decoder_and_head", lambda model: None)
+    whole = HFGenerator(model, tok).generate(prompts, sampling)
+    assert [(g.token_ids, g.logprobs, g.finish_reason) for g in fast] == [(g.token_ids, g.logprobs, g.finish_reason) for g in whole]
+
+
+def test_decode_mask_is_a_view_of_the_padding_mask_or_none():
+    attn = torch.tensor([[False, True, True], [True, True, True]])
+    mask = hf_module._decode_mask(attn, padded=True)["full_attention"]
+    assert mask.shape == (2, 1, 1, 3) and mask.data_ptr() == attn.data_ptr() and torch.equal(mask[:, 0, 0], attn)
+    assert hf_module._decode_mask(attn[1:], padded=False) == {"full_attention": None}
