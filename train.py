@@ -30,7 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import envs  # noqa: F401  (registers the agentopsd/* environments)
+import agentopsd.envs  # noqa: F401  (registers the agentopsd/* environments)
 from agentopsd import runs
 from agentopsd.models import ModelNotFoundError
 from agentopsd.preemption import Preempted
@@ -87,7 +87,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     )
     datamodule = TaskDataModule(cfg.env.id, cfg.data.tasks_per_batch, cfg.data.group_size, cfg.num_iterations, seed=cfg.seed)
 
-    from callbacks import default_callbacks
+    from agentopsd.callbacks import default_callbacks
 
     trainer = instantiate(
         cfg.trainer,
@@ -117,7 +117,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
 
         write_report(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
     if trainer.is_global_zero:
-        from callbacks import EvaluationCallback
+        from agentopsd.callbacks import EvaluationCallback
 
         trained = sum(cb.iterations_trained for cb in trainer.callbacks if isinstance(cb, EvaluationCallback))
         print("\n" + runs.summary(history, trained=trained, done=module.iterations_done, planned=cfg.num_iterations))

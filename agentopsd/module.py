@@ -154,7 +154,7 @@ class AgentRLModule(L.LightningModule):
         self.iterations_done = 0
         """Completed iterations (updates made)."""
         self.stop_request = StopRequest()
-        """Set by a signal handler (callbacks.preemption): rollouts and evaluations stop between turns."""
+        """Set by a signal handler (agentopsd.callbacks.preemption): rollouts and evaluations stop between turns."""
 
     # ------------------------------------------------------------------ sharding
 
@@ -218,7 +218,7 @@ class AgentRLModule(L.LightningModule):
         if self._collector is None:
             wrappers = []
             if self.env_cfg.fault_rate > 0:
-                from envs.faults import FaultInjectionWrapper
+                from agentopsd.envs.faults import FaultInjectionWrapper
 
                 rate, seeds = self.env_cfg.fault_rate, itertools.count(self.seed * 10_000)
                 # one seed per environment, in creation order: the same faults on every rerun
@@ -436,7 +436,7 @@ class AgentRLModule(L.LightningModule):
     def update(self, batch: RolloutBatch, batch_idx: int) -> tuple[dict[str, float], Tensor]:
         """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss."""
         if batch.advantages is None:
-            raise RuntimeError("the batch has no advantages: add callbacks.credit.CreditCallback to the Trainer's callbacks")
+            raise RuntimeError("the batch has no advantages: add agentopsd.callbacks.credit.CreditCallback to the Trainer's callbacks")
         t0 = time.perf_counter()
         opt = self.optimizers()
         sched = self.lr_schedulers()

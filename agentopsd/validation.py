@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 def validate_config(cfg: DictConfig) -> None:
     import gymnasium as gym
 
-    import envs  # noqa: F401
+    import agentopsd.envs  # noqa: F401
 
     env_id = cfg.env.id
     if env_id not in gym.registry:

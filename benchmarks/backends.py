@@ -184,7 +184,7 @@ def main() -> None:
     import torch
     import transformers
 
-    import envs  # noqa: F401
+    import agentopsd.envs  # noqa: F401
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
     from agentopsd.rollout.vllm_backend import VLLMGenerator

@@ -11,7 +11,7 @@ import time
 
 import gymnasium as gym
 
-import envs  # noqa: F401
+import agentopsd.envs  # noqa: F401
 
 
 def run_expert(env_id: str, episodes: int) -> tuple[float, float, int]:

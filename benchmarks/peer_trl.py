@@ -48,10 +48,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import envs  # noqa: E402,F401  (registers the agentopsd/* ids)
+import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* ids)
 from agentopsd.data import sample_tasks  # noqa: E402
+from agentopsd.envs.babyai.env import BabyAIEnv  # noqa: E402
 from agentopsd.prompts import PromptBuilder, parse_action  # noqa: E402
-from envs.babyai import BabyAIEnv  # noqa: E402
 
 LEVEL = "PickupObj"
 EPISODE_ID = f"agentopsd/BabyAI-{LEVEL}-v0"
@@ -222,8 +222,8 @@ def project_module(setup: PeerSetup, model, tokenizer, *, multi_turn: int = 0):
 
 def project_run(setup: PeerSetup, model, tokenizer, *, multi_turn: int = 0) -> list[Phases]:
     """``setup.iterations`` iterations of the project's Lightning trainer; phases per iteration."""
+    from agentopsd.callbacks.credit import CreditCallback
     from agentopsd.data import TaskStream
-    from callbacks.credit import CreditCallback
 
     module = project_module(setup, model, tokenizer, multi_turn=multi_turn)
     clock = _LightningClock()

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-import envs  # noqa: F401
+import agentopsd.envs  # noqa: F401
 from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import collate_trajectories, sample_tasks

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from callbacks.checkpoint import IterationCheckpoint
-from callbacks.credit import CreditCallback
-from callbacks.evaluation import EvaluationCallback
-from callbacks.preemption import PreemptionCallback
-from callbacks.rollout_logging import RolloutShardWriter
+from agentopsd.callbacks.checkpoint import IterationCheckpoint
+from agentopsd.callbacks.credit import CreditCallback
+from agentopsd.callbacks.evaluation import EvaluationCallback
+from agentopsd.callbacks.preemption import PreemptionCallback
+from agentopsd.callbacks.rollout_logging import RolloutShardWriter
 
 __all__ = ["CreditCallback", "EvaluationCallback", "IterationCheckpoint", "PreemptionCallback", "RolloutShardWriter", "default_callbacks"]
 

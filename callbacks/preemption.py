@@ -23,8 +23,8 @@ import threading
 
 import lightning as L
 
+from agentopsd.callbacks.checkpoint import IterationCheckpoint
 from agentopsd.preemption import STOP_SIGNALS, Preempted, StopRequest
-from callbacks.checkpoint import IterationCheckpoint
 
 log = logging.getLogger(__name__)
 

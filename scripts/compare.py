@@ -64,7 +64,7 @@ def training_stats(run_dir: Path) -> dict[str, float]:
 def expert_path_mean(level: str, num_tasks: int = 100) -> float:
     """The expert's mean path length on the level's fixed evaluation list (the horizon axis)."""
     sys.path.insert(0, str(ROOT))
-    from envs.babyai import BabyAIEnv
+    from agentopsd.envs.babyai.env import BabyAIEnv
 
     env = BabyAIEnv(level, split="eval")
     return statistics.mean(env.reset(options={"task_index": k})[1]["expert_steps"] for k in range(num_tasks))

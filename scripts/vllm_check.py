@@ -52,7 +52,7 @@ VALID_REASONS = {"stop", "eos", "length"}
 
 def build_policy(workdir: Path, env_id: str) -> tuple[Any, Any, Path]:
     """The tiny policy and tokenizer the project way, saved where vLLM can load them."""
-    import envs  # noqa: F401  (registers the agentopsd/* ids)
+    import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
     from agentopsd.tiny import tiny_policy
 
     model, tokenizer = tiny_policy(env_id, skills="babyai", text_episodes=10, cache_dir=str(workdir / "tokenizers"))

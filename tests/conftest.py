@@ -14,7 +14,7 @@ import gymnasium as gym
 import pytest
 import torch
 
-from envs.base import action_space, observation_space
+from agentopsd.envs.base import action_space, observation_space
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's

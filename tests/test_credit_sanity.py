@@ -16,7 +16,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from envs.base import action_space, observation_space
+from agentopsd.envs.base import action_space, observation_space
 
 KEY_ID = "tests/KeyDoor-v0"
 SKILLS = str(Path(__file__).parent / "data" / "keydoor_skills.json")

@@ -73,7 +73,7 @@ def test_resume_continues_the_task_stream(tmp_path):
 
     import gymnasium as gym
 
-    import envs  # noqa: F401
+    import agentopsd.envs  # noqa: F401
     from agentopsd.data import sample_tasks
 
     env_id = "agentopsd/BabyAI-GoToLocal-v0"

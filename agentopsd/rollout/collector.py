@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 import gymnasium as gym
 
 from agentopsd.distributed import all_max, is_distributed
+from agentopsd.envs.runner import BatchedRunner
 from agentopsd.preemption import RolloutStopped
 from agentopsd.prompts import HistoryEntry, PromptBuilder, PromptViews, assert_no_skills, parse_action
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.skills import SkillBank
 from agentopsd.types import TaskSpec, Trajectory, Turn
-from envs.runner import BatchedRunner
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import envs  # noqa: F401  (registers the ids)
+import agentopsd.envs  # noqa: F401  (registers the ids)
+from agentopsd.envs.babyai.env import ACTIONS
 from agentopsd.groundtruth import (
     FATAL_GAIN,
     LoggedTrajectory,
@@ -26,7 +27,6 @@ from agentopsd.groundtruth import (
 )
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
-from envs.babyai import ACTIONS
 
 PICKUP = "agentopsd/BabyAI-PickupObj-v0"
 UNLOCK = "agentopsd/BabyAI-UnlockPickup-v0"
@@ -223,7 +223,7 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
 
     import yaml
 
-    from callbacks.rollout_logging import write_shard
+    from agentopsd.callbacks.rollout_logging import write_shard
 
     run = tmp_path / "agentopsd-s0"
     (run / ".hydra").mkdir(parents=True)

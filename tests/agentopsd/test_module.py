@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from agentopsd.algorithms import AgentOPSD, Algorithm
+from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import TaskDataModule, sample_tasks
 from agentopsd.module import AgentRLModule
-from callbacks.credit import CreditCallback
 from tests.conftest import TOY_ID, WALK_SKILLS
 
 

@@ -96,7 +96,7 @@ def _played_history(env_id: str, turns: int) -> tuple[str, str, list[HistoryEntr
     admissible actions, from playing the environment (cycling through its admissible actions)."""
     import gymnasium as gym
 
-    import envs  # noqa: F401
+    import agentopsd.envs  # noqa: F401
 
     env = gym.make(env_id, split="train", disable_env_checker=True)
     obs, info = env.reset(seed=0, options={"task_index": 0})

@@ -76,8 +76,8 @@ def test_horizon_table_counts_episodes_and_has_no_before_without_an_evaluation_b
 def test_the_page_names_the_run_and_shows_config_seed_and_credit_statistics(tmp_path):
     import re
 
+    from agentopsd.callbacks.rollout_logging import write_shard
     from agentopsd.report import write_report
-    from callbacks.rollout_logging import write_shard
 
     run = tmp_path / "quickstart" / "2026-01-01_00-00-00"
     (run / "csv" / "version_0").mkdir(parents=True)

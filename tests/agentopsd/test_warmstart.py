@@ -7,7 +7,7 @@ import json
 import pytest
 import webdataset as wds
 
-import envs  # noqa: F401
+import agentopsd.envs  # noqa: F401
 from agentopsd.warmstart import write_demonstrations
 
 ENV = "agentopsd/BabyAI-PickupObj-v0"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import lightning as L
 import torch
 
+from agentopsd.callbacks.checkpoint import IterationCheckpoint
+from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.data import TaskDataModule
-from callbacks.checkpoint import IterationCheckpoint
-from callbacks.credit import CreditCallback
 from tests.agentopsd.test_module import make_module
 from tests.conftest import TOY_ID
 

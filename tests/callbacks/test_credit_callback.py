@@ -7,8 +7,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from agentopsd.algorithms import RLSD, AgentOPSD, Algorithm, GiGPO
+from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.credit import group_success_rate, reshape_advantages, rlsd_token_advantages, turn_evidence
-from callbacks.credit import CreditCallback
 
 
 def foreign_batch(seed: int) -> dict[str, torch.Tensor]:

@@ -16,10 +16,10 @@ from typing import Any
 import gymnasium as gym
 import pytest
 
-from envs import base
-from envs.babyai import BabyAIEnv
-from envs.faults import FaultInjectionWrapper
-from envs.runner import BatchedRunner, FaultRecord, StepResult
+from agentopsd.envs import base
+from agentopsd.envs.babyai.env import BabyAIEnv
+from agentopsd.envs.faults import FaultInjectionWrapper
+from agentopsd.envs.runner import BatchedRunner, FaultRecord, StepResult
 
 
 def _babyai(n: int) -> list[gym.Env]:
@@ -92,7 +92,7 @@ def test_step_fault_ends_only_that_episode(num_threads: int, caplog: pytest.LogC
     envs[1] = FaultInjectionWrapper(envs[1], p_reset=0.0, p_step=1.0, seed=0)
     runner = BatchedRunner(envs, num_threads=num_threads)
     tasks = [r.info["task"] for r in runner.reset([None] * 4, _options(4))]
-    with caplog.at_level(logging.WARNING, logger="envs.runner"):
+    with caplog.at_level(logging.WARNING, logger="agentopsd.envs.runner"):
         out = runner.step({i: "turn left" for i in range(4)})
     bad = out[1]
     assert bad.error is not None and bad.error.startswith("RuntimeError: injected fault")
@@ -114,7 +114,7 @@ def test_reset_fault_is_recorded_with_the_requested_task(caplog: pytest.LogCaptu
     envs = _babyai(3)
     envs[2] = FaultInjectionWrapper(envs[2], p_reset=1.0, p_step=0.0, seed=0)
     runner = BatchedRunner(envs, num_threads=0)
-    with caplog.at_level(logging.WARNING, logger="envs.runner"):
+    with caplog.at_level(logging.WARNING, logger="agentopsd.envs.runner"):
         first = runner.reset([None] * 3, _options(3))
     assert first[2].error is not None and first[2].terminated and first[2].observation == ""
     assert [r.error for r in first[:2]] == [None, None]
@@ -182,7 +182,7 @@ def test_close_survives_a_failing_close(caplog: pytest.LogCaptureFixture) -> Non
 
     envs = [BadClose(_babyai(1)[0]), Recorder(_babyai(1)[0])]
     runner = BatchedRunner(envs, num_threads=2)
-    with caplog.at_level(logging.WARNING, logger="envs.runner"):
+    with caplog.at_level(logging.WARNING, logger="agentopsd.envs.runner"):
         runner.close()
     assert envs[1].closed and "OSError: disk gone" in caplog.text
 

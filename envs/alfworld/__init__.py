@@ -1,0 +1,1 @@
+"""ALFWorld: the environment class (env.py), its tasks and data, expert and text rendering."""

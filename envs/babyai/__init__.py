@@ -1,0 +1,1 @@
+"""BabyAI: the environment class (env.py), its tasks and data, expert and text rendering."""

@@ -1,0 +1,1 @@
+"""SearchQA: the environment class (env.py), its tasks and data, expert and text rendering."""

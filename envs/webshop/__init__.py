@@ -1,0 +1,1 @@
+"""WebShop: the environment class (env.py), its tasks and data, expert and text rendering."""
