@@ -1,138 +1,15 @@
-"""Train an agent: compose, validate, seed, instantiate, fit, evaluate, report.
+"""Train an agent: ``python train.py [overrides]`` in a checkout; installed, ``agentopsd-train [overrides]``.
 
     python train.py                              # the embedded default (experiment=quickstart)
     python train.py +experiment=webshop_3b       # the paper's WebShop setup on GPUs
-    python train.py algorithm=grpo env=searchqa  # swap any config group (the quickstart's tiny model follows the env)
+    python train.py algorithm=grpo env=searchqa  # swap any config group
     python train.py ckpt_path=last               # resume the latest run of this name
 
-Each run writes its own folder, runs/<name>/<YYYY-MM-DD_HH-MM-SS>/; runs/<name>/latest points at the newest.
+The run itself (compose, validate, seed, instantiate, fit, evaluate, report) is agentopsd/train.py;
+the configs are conf/.
 """
 
-from __future__ import annotations
-
-import logging
-import os
-import sys
-from pathlib import Path
-
-# Before torch loads its OpenMP runtime (lightning imports torch below): OpenMP threads that spin while
-# they wait for work fight any other process for the cores. 3 quickstart iterations beside one busy
-# process on a loaded 2-core machine: 418 s spinning (2 threads), 23 s waiting passively (2 threads),
-# 36 s with 1 thread (benchmarks/shared_cpu.py). The tiny model gains nothing past a few threads.
-# Values already in the user's environment win.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("OMP_NUM_THREADS", str(min(4, os.cpu_count() or 1)))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer forks nothing here; silences its warning
-
-import hydra
-import lightning as L
-from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-
-import agentopsd.envs  # noqa: F401  (registers the agentopsd/* environments)
-from agentopsd import runs
-from agentopsd.models import ModelNotFoundError
-from agentopsd.preemption import Preempted
-from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
-
-log = logging.getLogger("agentopsd")
-
-
-@hydra.main(version_base=None, config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> dict[str, float]:
-    runs.silence_known_noise()
-    hydra_cfg = HydraConfig.get()
-    # the folder Hydra made: the processes of one launch all get rank 0's (Lightning passes it on)
-    output_dir = Path(hydra_cfg.runtime.output_dir)
-    cfg.output_dir = str(output_dir)
-    try:  # every check that can fail, before any weights load or work starts
-        runs.check_group_swaps(hydra_cfg.runtime.choices.get("experiment"), list(hydra_cfg.overrides.task), Path(__file__).parent / "conf")
-        validate_config(cfg)
-        ckpt_path = resolve_ckpt_path(cfg.ckpt_path, output_dir)
-    except (ConfigError, ModelNotFoundError) as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {err}", file=sys.stderr)  # one line naming the field and the fix
-        runs.remove_if_unused(output_dir)  # nothing ran: no folder left behind
-        sys.exit(2)
-    from agentopsd.memory import print_memory_plan
-
-    # per-GPU memory for weights, gradients, optimizer, activations and vLLM, before any weights load
-    print_memory_plan(cfg, force=bool(cfg.get("memory_plan_only", False)))
-    if cfg.get("memory_plan_only", False):  # python train.py +experiment=webshop_7b +memory_plan_only=true
-        return {}
-    L.seed_everything(cfg.seed, workers=True)
-
-    model, tokenizer = instantiate(cfg.model)
-    if cfg.warm_start:
-        from agentopsd.warmstart import warm_start
-
-        warm_start(model, tokenizer, cfg.env, cfg.warm_start, runs.warm_start_dir(output_dir, Path(cfg.runs_dir)))
-
-    from agentopsd.data import TaskDataModule
-    from agentopsd.module import AgentRLModule
-
-    module = AgentRLModule(
-        model,
-        tokenizer,
-        algorithm=instantiate(cfg.algorithm),
-        env=instantiate(cfg.env),
-        rollout=instantiate(cfg.rollout),
-        optim=instantiate(cfg.optim),
-        evaluation=instantiate(cfg.evaluation),
-        num_iterations=cfg.num_iterations,
-        seed=cfg.seed,
-        model_path=cfg.model.get("path"),
-    )
-    datamodule = TaskDataModule(cfg.env.id, cfg.data.tasks_per_batch, cfg.data.group_size, cfg.num_iterations, seed=cfg.seed)
-
-    from agentopsd.callbacks import default_callbacks
-
-    trainer = instantiate(
-        cfg.trainer,
-        callbacks=default_callbacks(cfg, output_dir),
-        logger=[instantiate(lg) for lg in cfg.logger],
-        default_root_dir=str(output_dir),
-    )
-    for logger in trainer.loggers:  # the resolved config, so a run's folder says how it was made
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-    if trainer.is_global_zero:
-        runs.mark_latest(output_dir)
-    try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    except Preempted as stop:
-        if trainer.is_global_zero:
-            print(
-                f"\nstopped by {stop.signal_name} after {module.iterations_done} completed iterations"
-                + ("" if stop.update_done else f" (iteration {stop.iteration} abandoned: it runs again on resume)")
-                + f"; checkpoint: {(output_dir / 'checkpoints' / 'last.ckpt').resolve()}\n"
-                f"resume: python train.py {' '.join([a for a in sys.argv[1:] if not a.startswith('ckpt_path=')] + ['ckpt_path=last'])}"
-            )
-        sys.exit(stop.exit_code)
-
-    history = module.eval_history
-    if cfg.report and trainer.is_global_zero:
-        from agentopsd.report import write_report
-
-        write_report(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
-    if trainer.is_global_zero:
-        from agentopsd.callbacks import EvaluationCallback
-
-        trained = sum(cb.iterations_trained for cb in trainer.callbacks if isinstance(cb, EvaluationCallback))
-        print("\n" + runs.summary(history, trained=trained, done=module.iterations_done, planned=cfg.num_iterations))
-        print(f"outputs: {output_dir.resolve()} (checkpoints/, rollouts/, csv/, tensorboard/" + (", report/index.html)" if cfg.report else ")"))
-    return history[-1] if history else {}
-
-
-def _accept_plus_experiment(argv: list[str]) -> list[str]:
-    # the root config already has an experiment default, so Hydra would reject `+experiment=X`;
-    # both spellings mean the same here
-    return [a.replace("+experiment=", "experiment=", 1) if a.startswith("+experiment=") else a for a in argv]
-
-
-runs.register_resolvers()  # before Hydra composes: output_dir is ${run_dir:...}
+from agentopsd.train import cli
 
 if __name__ == "__main__":
-    sys.argv = _accept_plus_experiment(sys.argv)
-    main()
+    cli()

@@ -506,7 +506,7 @@ def compose_config(overrides: list[str], config_dir: str | Path | None = None) -
     """The run's config as train.py composes it (``+experiment=X`` means ``experiment=X`` there too)."""
     from hydra import compose, initialize_config_dir
 
-    conf = Path(config_dir) if config_dir else Path(__file__).resolve().parents[1] / "conf"
+    conf = Path(config_dir) if config_dir else Path(__file__).parent / "conf"  # a checkout's conf/ or the wheel's copy
     if not (conf / "config.yaml").is_file():
         raise FileNotFoundError(f"no Hydra config at {conf}/config.yaml: pass --config-dir <repo>/conf")
     overrides = [o.replace("+experiment=", "experiment=", 1) if o.startswith("+experiment=") else o for o in overrides]

@@ -96,12 +96,9 @@ def test_default_is_quickstart():
 
 
 def test_plus_experiment_spelling_is_accepted():
-    import importlib.util
+    from agentopsd.train import _accept_plus_experiment
 
-    spec = importlib.util.spec_from_file_location("train_entry", CONF.parent / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    assert train._accept_plus_experiment(["train.py", "+experiment=webshop_3b", "seed=1"]) == ["train.py", "experiment=webshop_3b", "seed=1"]
+    assert _accept_plus_experiment(["train.py", "+experiment=webshop_3b", "seed=1"]) == ["train.py", "experiment=webshop_3b", "seed=1"]
 
 
 @pytest.mark.parametrize(

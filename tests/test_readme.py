@@ -15,7 +15,7 @@ README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, flags=re.DOTALL)
 PYTHON = [code for lang, code in BLOCKS if lang == "python"]
 BASH_LINES = [line.strip() for lang, code in BLOCKS if lang == "bash" for line in code.splitlines() if line.strip()]
-TRAIN = [line for line in BASH_LINES if "train.py" in line]
+TRAIN = [line for line in BASH_LINES if "train.py" in line or "agentopsd-train" in line]  # a checkout's or the wheel's
 PIP = [line for line in BASH_LINES if "pip install" in line]
 
 
@@ -30,7 +30,8 @@ def test_python_blocks_run_as_written(code):
 
 def _overrides(line: str) -> list[str]:
     words = shlex.split(line.split("#", 1)[0])
-    return [w for w in words[words.index("train.py") + 1 :] if "=" in w]
+    start = next(i for i, w in enumerate(words) if w in ("train.py", "agentopsd-train"))
+    return [w for w in words[start + 1 :] if "=" in w]
 
 
 @pytest.mark.parametrize("line", TRAIN)
@@ -54,6 +55,8 @@ def test_install_commands_name_what_exists(line):
     extras = set(re.findall(r"^([\w-]+)\s*=", section, flags=re.MULTILINE))  # (tomllib needs Python 3.11)
     for named in re.findall(r'-e "?\.\[([\w,]+)\]', line):
         assert set(named.split(",")) <= extras, named
+    if "agentopsd-train" in line:
+        assert 'agentopsd-train = "agentopsd.train:cli"' in (ROOT / "pyproject.toml").read_text()
     for path in re.findall(r"-c (\S+)", line) + re.findall(r"bash (\S+\.sh)", line):
         assert (ROOT / path).is_file(), path
     if "-c constraints-cpu.txt" in line:

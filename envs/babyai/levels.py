@@ -64,7 +64,7 @@ _FAST: dict[type, type] = {}
 class _FastLevel:
     """Mixin over a minigrid RoomGridLevel: quiet rejection sampling and a fast ``gen_obs``.
 
-    The view numbers are minigrid's (see ``babyai_view``); ``self.view`` holds the last view
+    The view numbers are minigrid's (see ``agentopsd.envs.babyai.view``); ``self.view`` holds the last view
     as a flat list for the text renderer, which reads lists faster than arrays, and the
     returned observation's "image" is None (``image()`` gives the array).
     """

@@ -1,7 +1,7 @@
 """Text rendering of a BabyAI state: the agent's egocentric view as sentences.
 
 Everything here reads a view in minigrid's compact encoding (``view[i * 7 + j]`` = (object
-type, colour, door state) = ``obs["image"][i, j]``, see ``babyai_view``) and never imports
+type, colour, door state) = ``obs["image"][i, j]``, see ``agentopsd.envs.babyai.view``) and never imports
 minigrid, so it stays cheap and pure. The agent stands at column 3 of the last row and
 faces "up": column ``i`` is ``i - 3`` cells to the right, row ``j`` is ``6 - j`` ahead.
 """
@@ -51,7 +51,7 @@ def mission_kind(mission: str) -> str:
     """Mission category from the mission text: goto, pickup, open, putnext or sequence.
 
     BabyAI composes clauses with "and", ", then" and "after you": those are ``sequence``.
-    (``unlock`` cannot be read from the text; ``babyai_levels.needs_unlock`` decides it.)
+    (``unlock`` cannot be read from the text; ``agentopsd.envs.babyai.levels.needs_unlock`` decides it.)
     """
     if _AND.search(mission):
         return "sequence"
