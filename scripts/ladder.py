@@ -251,7 +251,7 @@ def expert_horizon(level: str) -> float:
     sys.path.insert(0, str(ROOT))
     import gymnasium as gym
 
-    import envs  # noqa: F401  (registers the ids)
+    import agentopsd.envs  # noqa: F401  (registers the ids)
 
     env = gym.make(f"agentopsd/BabyAI-{level}-v0", split="eval", disable_env_checker=True)
     n = env.unwrapped.num_tasks

@@ -7,14 +7,14 @@ import re
 import numpy as np
 import pytest
 
-import envs  # noqa: F401  (registers the ids)
+import agentopsd.envs  # noqa: F401  (registers the ids)
+from agentopsd.envs.babyai.env import BabyAIEnv
 from agentopsd.groundtruth import advance, make_env, start
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.skills import SkillBank
 from agentopsd.types import TaskSpec
-from envs.babyai import BabyAIEnv
 
 LEVEL = "KeyDoorBoxS5"
 ENV_ID = f"agentopsd/BabyAI-{LEVEL}-v0"
