@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import html
-import importlib
 import json
 import math
 import subprocess
@@ -238,13 +237,8 @@ class ExpertTruth:
 
 
 def _register_envs() -> None:
-    """Register the agentopsd/* env ids (the env package may live at top level or inside agentopsd)."""
-    for name in ("agentopsd.envs", "envs"):
-        try:
-            importlib.import_module(name)
-            return
-        except ModuleNotFoundError:
-            continue
+    """Register the agentopsd/* env ids."""
+    import agentopsd.envs  # noqa: F401
 
 
 def expert_truths(records: list[dict], env_config: dict) -> list[ExpertTruth]:

@@ -135,7 +135,7 @@ def forward_ab(args) -> None:
     """The transformers generator: whole-model decode steps against decoder + head with prepared masks."""
     import torch
 
-    import envs  # noqa: F401
+    import agentopsd.envs  # noqa: F401
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
     from agentopsd.tiny import tiny_policy

@@ -135,7 +135,7 @@ def _won_and_lost() -> list[dict]:
 
 
 def _run_folder(root, records: list[dict]):
-    from callbacks.rollout_logging import write_shard
+    from agentopsd.callbacks.rollout_logging import write_shard
 
     run = root / "run"
     (run / "csv" / "version_0").mkdir(parents=True)
