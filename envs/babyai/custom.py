@@ -29,24 +29,25 @@ class KeyDoorBox(RoomGridLevel):
     """Fetch the key of the locked door's colour, unlock the door, pick up the box behind it.
 
     Two rooms of ``room_size`` side by side, joined by a locked door. The agent starts in the
-    left room with two keys: one of the door's colour and one of another colour (a key opens
-    only a door of its own colour). The target box is in the right room. Several turns decide
-    the episode: picking up the right key (not the other one, and "pick up", since "toggle"
-    does nothing to a key), unlocking the door ("toggle" while carrying its key), dropping the
-    key (one object at a time) and picking up the box ("toggle" opens a box and it is gone).
+    left room with the door's key (``wrong_key``: and a key of another colour, which opens
+    nothing). The target box is in the right room. Several turns decide the episode: picking
+    up the key ("pick up": "toggle" does nothing to a key), unlocking the door ("toggle" while
+    carrying its key), dropping the key (one object at a time) and picking up the box
+    ("toggle" opens a box and it is gone).
     When the box is gone the mission can no longer succeed and the episode ends as a failure
     rather than running out the turn limit. The room size sets the horizon.
     """
 
-    def __init__(self, room_size: int = 6, **kwargs) -> None:
+    def __init__(self, room_size: int = 6, wrong_key: bool = False, **kwargs) -> None:
+        self.wrong_key = wrong_key
         super().__init__(num_rows=1, num_cols=2, room_size=room_size, **kwargs)
 
     def gen_mission(self) -> None:
         box, _ = self.add_object(1, 0, kind="box")
         door, _ = self.add_door(0, 0, 0, locked=True)
         self.add_object(0, 0, "key", door.color)
-        other = self._rand_elem([c for c in COLOR_NAMES if c != door.color])
-        self.add_object(0, 0, "key", other)
+        if self.wrong_key:
+            self.add_object(0, 0, "key", self._rand_elem([c for c in COLOR_NAMES if c != door.color]))
         self.place_agent(0, 0)
         self.target = box
         self.instrs = PickupInstr(ObjDesc(box.type, box.color))

@@ -34,7 +34,7 @@ def _expert_episode(env: BabyAIEnv, k: int) -> tuple[list[str], list[str], bool]
     return observations, actions, won
 
 
-def test_two_keys_one_fits_and_the_expert_wins_through_the_locked_door() -> None:
+def test_the_doors_key_and_the_expert_wins_through_the_locked_door() -> None:
     env = BabyAIEnv(LEVEL, split="eval")
     assert env.num_tasks == 256  # the ladder's longer fixed evaluation list
     for k in range(12):
@@ -42,10 +42,19 @@ def test_two_keys_one_fits_and_the_expert_wins_through_the_locked_door() -> None
         env.reset(options={"task_index": k})
         keys = [o for o in grid.grid.grid if o is not None and o.type == "key"]
         doors = [o for o in grid.grid.grid if o is not None and o.type == "door" and o.is_locked]
-        assert len(keys) == 2 and len(doors) == 1 and len({key.color for key in keys}) == 2
-        assert doors[0].color in {key.color for key in keys}
+        assert len(keys) == 1 and len(doors) == 1 and keys[0].color == doors[0].color
         observations, actions, won = _expert_episode(env, k)
         assert won and actions.count("toggle") >= 1 and actions.count("pick up") >= 2  # the key and the box
+
+
+def test_a_wrong_key_variant_adds_a_key_of_another_colour() -> None:
+    from agentopsd.envs.babyai.levels import level_class
+
+    cls, kwargs = level_class(LEVEL)
+    grid = cls(max_steps=40, **{**kwargs, "wrong_key": True})
+    grid.reset(seed=4)
+    keys = [o for o in grid.grid.grid if o is not None and o.type == "key"]
+    assert len(keys) == 2 and len({key.color for key in keys}) == 2
 
 
 def test_room_size_sets_the_horizon_past_30_turns() -> None:
