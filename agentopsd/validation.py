@@ -32,6 +32,10 @@ def validate_config(cfg: DictConfig) -> None:
     if "gap_decay_gamma" in algo and not 0 <= algo.gap_decay_gamma <= 1:
         raise ConfigError(f"algorithm.gap_decay_gamma={algo.gap_decay_gamma} must be in [0, 1]; the paper uses 0.95")
     _validate_baseline_knobs(algo)
+    weights = (cfg.get("warm_start") or {}).get("weights")
+    if weights and not Path(weights).is_file():
+        raise ConfigError(f"warm_start.weights={weights!r}: no such file; give a policy-*.pt a warm start saved (its warm_start/ "
+                          "folder) or null to train the warm start here")
     rows = cfg.data.tasks_per_batch * cfg.data.group_size
     if cfg.optim.num_mini_batches > rows:
         raise ConfigError(

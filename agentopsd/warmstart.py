@@ -90,7 +90,15 @@ def _encode(builder: PromptBuilder, tokenizer, sample: dict, teacher: bool) -> t
 
 
 def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float]:
-    """Write (or reuse) the demonstration shard, then train on it for ``cfg.seconds`` or ``cfg.steps``."""
+    """Write (or reuse) the demonstration shard, then train on it for ``cfg.seconds`` or ``cfg.steps``.
+
+    ``cfg.weights`` (a ``policy-*.pt`` an earlier warm start saved) skips all of it and loads those weights:
+    several runs, e.g. the rungs of a ladder, then start from one warm start (the model's tokenizer must match).
+    """
+    if cfg.get("weights"):
+        model.load_state_dict(torch.load(cfg.weights, map_location="cpu"))
+        print(f"warm start: loaded {cfg.weights} (warm_start.weights)")
+        return {"warm_start/cached": 1.0}
     # the name carries every setting the demonstrations depend on, so a stale shard is never reused
     habits = dict(cfg.get("habits") or {})
     habit_prob = float(cfg.get("habit_prob", 0.0))

@@ -5,11 +5,12 @@
     python scripts/ladder.py --table-only                               # rewrite the tables from finished runs
 
 Every run is ``train.py experiment=keydoor`` with the rung, algorithm and seed swapped. Pairing: the
-runs of one (rung, seed) share one warm start (its weights made once, then copied into each run)
-and one task stream (the seed fixes it), so a difference between methods at a seed is the methods'
-alone. Each run ends with two evaluations on the rung's 256 fixed evaluation tasks: greedy, and one
+runs of one seed share one warm start (trained once on the longest rung's demonstrations, loaded by
+every rung and method through ``warm_start.weights``) and one task stream per rung (the seed fixes
+it), so a difference between methods at a seed is the methods' alone. Each run ends with two evaluations on the rung's 256 fixed evaluation tasks: greedy, and one
 episode per task at temperature 1 (the smooth measure: greedy success of a small policy tends to
 be all or nothing). The warm start's own evaluation is made once per (rung, seed).
+Rows of runs.csv carry the commit they ran on.
 
 Resumable: a finished run is read back; a run cut short goes on from its last checkpoint when the
 code is the same commit (else it starts over from the shared warm start). The code trained is the
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quickstart_seeds import export_code, head_commit, log_rows, parse_seeds  # noqa: E402
 
 # rung -> turn limit: the expert's longest path on the 256 evaluation tasks plus room for the habits' wasted turns
-LEVELS = {"KeyDoorBoxS5": 40, "KeyDoorBoxS7": 52, "KeyDoorBoxS9": 64}
+LEVELS = {"KeyDoorBoxS5": 32, "KeyDoorBoxS7": 44, "KeyDoorBoxS9": 60}
 METHODS = ["grpo", "agentopsd", "stepopsd", "gigpo"]
 ITERATIONS = 16
 DIAGNOSTICS = ["rollout/success", "credit/evidence_outcome_corr", "credit/mean_abs_revision", "credit/evidence_mean"]
@@ -53,7 +54,7 @@ def evals(rows: list[dict[str, float]]) -> dict[int, dict[str, float]]:
 
 
 def _train(code: Path, run_dir: Path, level: str, method: str, seed: int, iterations: int, extra: list[str]) -> int:
-    cmd = [sys.executable, "train.py", "experiment=keydoor", f"env.id=agentopsd/BabyAI-{level}-v0", f"env.max_turns={LEVELS[level]}",
+    cmd = [sys.executable, "train.py", "experiment=keydoor", f"env.id={env_id(level)}", f"env.max_turns={LEVELS[level]}",
            f"algorithm={method}", f"seed={seed}", f"num_iterations={iterations}", f"output_dir={run_dir}",
            "trainer.enable_progress_bar=false", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HYDRA_FULL_ERROR": "1"}
@@ -63,28 +64,61 @@ def _train(code: Path, run_dir: Path, level: str, method: str, seed: int, iterat
         return subprocess.run(cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def warm_start(out: Path, code: Path, commit: str, level: str, seed: int, overrides: list[str]) -> Path:
-    """The (rung, seed) warm start: weights and the evaluation of them, made once and shared by every method."""
-    warm = out / "warm" / f"{level}-s{seed}"
-    if (warm / "before.json").exists():
-        return warm
-    run_dir = out / "runs" / f"{level}-warm-s{seed}"
+def env_id(level: str) -> str:
+    return f"agentopsd/BabyAI-{level}-v0"
+
+
+def shared(warm_level: str) -> list[str]:
+    """Overrides of every run: one tokenizer (built from the warm rung's text) so that one warm start fits every rung."""
+    return [f"model.env_id={env_id(warm_level)}"]
+
+
+def warm_weights(out: Path, code: Path, warm_level: str, seed: int, overrides: list[str]) -> Path:
+    """The seed's warm start, trained once on the longest rung's demonstrations and shared by every rung and method.
+
+    The view is 7x7 cells on every rung, so the longest rung's demonstrations hold every offset and
+    wall distance the shorter rungs show; each rung evaluates the shared weights for itself (``before``).
+    """
+    weights = out / "warm" / f"s{seed}" / "policy.pt"
+    if weights.exists():
+        return weights
+    run_dir = out / "runs" / f"warm-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    # one tiny iteration: its evaluation before training is the warm start's, for every method of this seed
-    rc = _train(code, run_dir, level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2", *overrides])
-    before = evals(log_rows(run_dir)).get(0)
-    if rc != 0 or before is None:
-        raise RuntimeError(f"warm start {level} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
-    warm.mkdir(parents=True, exist_ok=True)
-    for made in (run_dir / "warm_start").glob("policy-*.pt"):
-        shutil.copy(made, warm / made.name)
-    (warm / "before.json").write_text(json.dumps({"commit": commit, **before}))
-    return warm
+    rc = _train(code, run_dir, warm_level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2",
+                "evaluation.before_training=false", "evaluation.num_tasks=1", *shared(warm_level), *overrides])
+    made = sorted((run_dir / "warm_start").glob("policy-*.pt"))
+    if rc != 0 or len(made) != 1:
+        raise RuntimeError(f"warm start seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
+    weights.parent.mkdir(parents=True, exist_ok=True)
+    tmp = weights.with_suffix(".tmp")
+    shutil.copy(made[0], tmp)
+    os.replace(tmp, weights)
+    return weights
 
 
-def run_one(out: Path, code: Path, commit: str, level: str, method: str, seed: int, iterations: int, overrides: list[str]) -> dict:
-    warm = warm_start(out, code, commit, level, seed, overrides)
+def before(out: Path, code: Path, commit: str, level: str, warm_level: str, seed: int, overrides: list[str]) -> dict:
+    """The shared warm start evaluated on one rung (greedy and sampled), once per (rung, seed)."""
+    path = out / "warm" / f"s{seed}" / f"before-{level}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    weights = warm_weights(out, code, warm_level, seed, overrides)
+    run_dir = out / "runs" / f"{level}-before-s{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    # one tiny iteration: its evaluation before training is the warm start's on this rung
+    rc = _train(code, run_dir, level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2", f"warm_start.weights={weights}",
+                                                       *shared(warm_level), *overrides])
+    row = evals(log_rows(run_dir)).get(0)
+    if rc != 0 or row is None:
+        raise RuntimeError(f"warm start evaluation {level} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
+    path.write_text(json.dumps({"commit": commit, **row}))
+    return row
+
+
+def run_one(out: Path, code: Path, commit: str, level: str, warm_level: str, method: str, seed: int, iterations: int,
+            overrides: list[str]) -> dict:
+    weights = warm_weights(out, code, warm_level, seed, overrides)
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
     meta_path = run_dir / "meta.json"
     if iterations not in evals(log_rows(run_dir)):
@@ -93,11 +127,10 @@ def run_one(out: Path, code: Path, commit: str, level: str, method: str, seed: i
         resume = last.exists() and meta.get("commit") == commit
         if not resume:
             shutil.rmtree(run_dir, ignore_errors=True)
-            (run_dir / "warm_start").mkdir(parents=True)
-            for cached in warm.glob("policy-*.pt"):
-                shutil.copy(cached, run_dir / "warm_start" / cached.name)
+            run_dir.mkdir(parents=True)
             meta = {}
-        extra = ["evaluation.before_training=false", "checkpoint.keep_policies=true", *overrides]
+        extra = ["evaluation.before_training=false", "checkpoint.keep_policies=true", f"warm_start.weights={weights}",
+                 *shared(warm_level), *overrides]
         start = time.monotonic()
         rc = _train(code, run_dir, level, method, seed, iterations, extra + ([f"ckpt_path={last}"] if resume else []))
         meta = {"commit": commit, "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
@@ -111,7 +144,7 @@ def run_row(out: Path, level: str, method: str, seed: int, iterations: int) -> d
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
     rows = log_rows(run_dir)
     after = evals(rows)[iterations]
-    before = json.loads((out / "warm" / f"{level}-s{seed}" / "before.json").read_text())
+    before = json.loads((out / "warm" / f"s{seed}" / f"before-{level}.json").read_text())
     meta = json.loads((run_dir / "meta.json").read_text())
     row = {"level": level, "method": method, "seed": seed, "iterations": iterations, "commit": meta["commit"],
            "greedy_before": before["eval/success"], "sampled_before": before.get("eval/sampled/success", float("nan")),
@@ -321,14 +354,18 @@ def main(argv: list[str] | None = None) -> None:
     lock = threading.Lock()
     # seed-major, then rung: a grid cut short holds every method of its first seeds (pairs complete)
     jobs = [(lv, m, s) for s in seeds for lv in args.levels for m in args.methods]
-    warm_locks = {(lv, s): threading.Lock() for lv in args.levels for s in seeds}
+    warm_level = max(args.levels, key=lambda lv: LEVELS[lv])
+    seed_locks = {s: threading.Lock() for s in seeds}
+    rung_locks = {(lv, s): threading.Lock() for lv in args.levels for s in seeds}
 
     def one(job: tuple[str, str, int]) -> None:
         lv, m, s = job
         try:
-            with warm_locks[(lv, s)]:  # the first method of a (rung, seed) makes its warm start, the others wait
-                warm_start(args.out, code, commit, lv, s, args.overrides)
-            row = run_one(args.out, code, commit, lv, m, s, args.iterations, args.overrides)
+            with seed_locks[s]:  # the first run of a seed makes its warm start, the others wait
+                warm_weights(args.out, code, warm_level, s, args.overrides)
+            with rung_locks[(lv, s)]:
+                before(args.out, code, commit, lv, warm_level, s, args.overrides)
+            row = run_one(args.out, code, commit, lv, warm_level, m, s, args.iterations, args.overrides)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)

@@ -87,9 +87,12 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = [p for p in (tmp_path / "runs").iterdir() if p.name != "latest"]  # the newest run's link
-    assert {p.name for p in rows} == {"KeyDoorBoxS5-warm-s0", "KeyDoorBoxS5-grpo-s0", "KeyDoorBoxS5-agentopsd-s0"}
-    weights = [sorted((tmp_path / "runs" / f"KeyDoorBoxS5-{m}-s0" / "warm_start").glob("policy-*.pt")) for m in ("grpo", "agentopsd")]
-    assert weights[0][0].read_bytes() == weights[1][0].read_bytes()  # one warm start shared by both methods
+    assert {p.name for p in rows} == {"warm-s0", "KeyDoorBoxS5-before-s0", "KeyDoorBoxS5-grpo-s0", "KeyDoorBoxS5-agentopsd-s0"}
+    weights = tmp_path / "warm" / "s0" / "policy.pt"
+    for name in ("KeyDoorBoxS5-before-s0", "KeyDoorBoxS5-grpo-s0", "KeyDoorBoxS5-agentopsd-s0"):
+        # one warm start, trained once, loaded by the rung's evaluation and by both methods
+        assert f"loaded {weights} (warm_start.weights)" in (tmp_path / "runs" / name / "stdout.log").read_text()
+    assert "supervised steps" in (tmp_path / "runs" / "warm-s0" / "stdout.log").read_text()
     assert (tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "checkpoints" / "policy-000001.pt").is_file()
     table = (tmp_path / "table.md").read_text()
     assert "| agentopsd |" in table and "| grpo |" in table and "Success at temperature 1" in table
