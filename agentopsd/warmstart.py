@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def write_demonstrations(
-    env_id: str, path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int, max_general: int | None = None,
+    env_id: str | list[str], path: Path, *, episodes: int, noise: float, seed: int, skills: str | None, max_turns: int, max_general: int | None = None,
     habits: dict[str, str] | None = None, habit_prob: float = 0.0,
 ) -> int:
     """Play ``episodes`` expert episodes and write their turns to one tar shard (atomically)."""
@@ -45,8 +45,8 @@ def write_demonstrations(
     habits = dict(habits or {})
     rng = np.random.default_rng(seed)
     bank = SkillBank.for_env(skills, max_general=max_general) if skills else None
-    env = gym.make(env_id, split="train", disable_env_checker=True)
-    n = env.unwrapped.num_tasks
+    # several ids (e.g. the rungs of a ladder): the expert plays them in turn, one episode each
+    pool = [gym.make(i, split="train", disable_env_checker=True) for i in ([env_id] if isinstance(env_id, str) else env_id)]
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     count = 0
@@ -56,7 +56,8 @@ def write_demonstrations(
         for ep in range(episodes):
             if ep and ep % every == 0:
                 log.info("warm start: demonstrations %d/%d episodes (%.0fs)", ep, episodes, time.perf_counter() - t0)
-            obs, info = env.reset(seed=int(rng.integers(2**31 - 1)), options={"task_index": int(rng.integers(n))})
+            env = pool[ep % len(pool)]
+            obs, info = env.reset(seed=int(rng.integers(2**31 - 1)), options={"task_index": int(rng.integers(env.unwrapped.num_tasks))})
             history: list[dict] = []
             for _ in range(max_turns):
                 # scope "turn": this turn's situations only, "" on turns that show none (no teacher sample there)
@@ -76,7 +77,8 @@ def write_demonstrations(
                 obs, _, term, trunc, info = env.step(taken)
                 if term or trunc:
                     break
-    env.close()
+    for env in pool:
+        env.close()
     os.replace(tmp, path)
     return count
 
@@ -103,11 +105,14 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
     habits = dict(cfg.get("habits") or {})
     habit_prob = float(cfg.get("habit_prob", 0.0))
     tag = hashlib.sha1(json.dumps([sorted(habits.items()), habit_prob, env_cfg.skills]).encode()).hexdigest()[:6]
+    env_ids = list(cfg.get("env_ids") or [env_cfg.id])
+    if len(env_ids) > 1:  # the shard's name carries every id it mixes
+        tag += "-" + hashlib.sha1("|".join(env_ids).encode()).hexdigest()[:6]
     shard = Path(out_dir) / f"demos-{env_cfg.id.split('/')[-1]}-{cfg.episodes}-{cfg.noise}-{cfg.seed}-{env_cfg.max_turns}-{env_cfg.get('skill_max_general')}-{tag}.tar"
     if not shard.exists():
         log.info("warm start: the expert plays %d training episodes (demonstrations, cached in %s)", cfg.episodes, out_dir)
         t0 = time.perf_counter()
-        n = write_demonstrations(env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills,
+        n = write_demonstrations(env_ids if len(env_ids) > 1 else env_cfg.id, shard, episodes=cfg.episodes, noise=cfg.noise, seed=cfg.seed, skills=env_cfg.skills,
                                  max_turns=env_cfg.max_turns, max_general=env_cfg.get("skill_max_general"), habits=habits, habit_prob=habit_prob)
         log.info("wrote %d demonstration turns to %s in %.1fs", n, shard, time.perf_counter() - t0)
     # the warm-started weights are cached next to the shard: a rerun with the same settings

@@ -1,6 +1,6 @@
 """Run the quickstart (`python train.py`) over many seeds and write the per-seed table.
 
-    python scripts/quickstart_seeds.py --seeds 0-9 --algorithms agentopsd grpo     # the README's table
+    python scripts/quickstart_seeds.py --seeds 0-9 --algorithms agentopsd grpo     # the table in results/quickstart_seeds
     python scripts/quickstart_seeds.py --seeds 0 1 --iterations 2                     # a quick look
 
 Every run is the embedded default exactly as a user starts it, with only the seed and the algorithm

@@ -51,3 +51,18 @@ def test_bad_probabilities_fail(tmp_path, kw) -> None:
     args = {"episodes": 1, "noise": 0.0, "seed": 0, "skills": None, "max_turns": 4} | kw
     with pytest.raises(ValueError, match="warm_start"):
         write_demonstrations(ENV, tmp_path / "d.tar", **args)
+
+
+def test_demonstrations_from_several_env_ids_take_turns(tmp_path):
+    """warm_start.env_ids: one shard that mixes environments (the ladder's rungs), one episode each in turn."""
+    import json
+
+    import webdataset as wds
+
+    from agentopsd.warmstart import write_demonstrations
+
+    ids = ["agentopsd/BabyAI-PickupObjS5-v0", "agentopsd/BabyAI-GoToObj-v0"]
+    shard = tmp_path / "mixed.tar"
+    write_demonstrations(ids, shard, episodes=4, noise=0.0, seed=0, skills="babyai", max_turns=40)
+    firsts = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False) if s["__key__"].endswith("_000")]
+    assert [f["task"].split()[0] for f in firsts] == ["pick", "go", "pick", "go"]
