@@ -354,8 +354,10 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict] = list(keep)
     failures: list[str] = []
     lock = threading.Lock()
-    # seed-major, then rung: a grid cut short holds every method of its first seeds (pairs complete)
-    jobs = [(lv, m, s) for s in seeds for lv in args.levels for m in args.methods]
+    # seed-major, then rung: a grid cut short holds every method of its first seeds (pairs complete);
+    # --jobs seeds at a time, their runs interleaved, so that their warm starts train side by side
+    per_seed = [[(lv, m, s) for lv in args.levels for m in args.methods] for s in seeds]
+    jobs = [job for k in range(0, len(per_seed), args.jobs) for turn in zip(*per_seed[k:k + args.jobs]) for job in turn]
     seed_locks = {s: threading.Lock() for s in seeds}
     rung_locks = {(lv, s): threading.Lock() for lv in args.levels for s in seeds}
 
