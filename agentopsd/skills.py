@@ -177,7 +177,6 @@ class SkillBank:
             mistakes=tuple(m for c in chosen for m in c.mistakes),
         )
 
-
     def situational(self, observation: str) -> RetrievedSkills:
         """The situations ``observation`` shows, in file order (none: an empty block)."""
         hit = [s for s in self.situations if s.when.search(observation)]
