@@ -110,6 +110,9 @@ def sampling_weights(run: Path, iteration: int) -> Path:
     """The weights that sampled ``iteration``: the warm start for iteration 1, else the policy kept after
     iteration - 1 (``checkpoint.keep_policies``)."""
     if iteration == 1:
+        loaded = (run_config(run).get("warm_start") or {}).get("weights")
+        if loaded:  # the run loaded a shared warm start (warm_start.weights) rather than training its own
+            return Path(loaded)
         weights = sorted((run / "warm_start").glob("policy-*.pt"))
         if len(weights) != 1:
             raise SystemExit(f"{run}: expected one warm_start/policy-*.pt for the Monte Carlo truth, found {len(weights)}")

@@ -1,0 +1,46 @@
+"""scripts/credit_quality.py: which weights sampled an iteration (the Monte Carlo truth runs that policy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cq():
+    spec = importlib.util.spec_from_file_location("credit_quality_script", ROOT / "scripts" / "credit_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["credit_quality_script"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path: Path, warm: dict) -> Path:
+    (tmp_path / ".hydra").mkdir(parents=True)
+    (tmp_path / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"warm_start": warm}))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "policy-000008.pt").write_bytes(b"x")
+    return tmp_path
+
+
+def test_iteration_1_is_the_warm_start_the_run_loaded_or_trained(cq, tmp_path) -> None:
+    shared = tmp_path / "shared.pt"
+    run = _run(tmp_path / "a", {"weights": str(shared)})
+    assert cq.sampling_weights(run, 1) == shared  # warm_start.weights: the shared file
+    own = _run(tmp_path / "b", {"weights": None})
+    (own / "warm_start").mkdir()
+    (own / "warm_start" / "policy-abc.pt").write_bytes(b"x")
+    assert cq.sampling_weights(own, 1) == own / "warm_start" / "policy-abc.pt"
+
+
+def test_a_later_iteration_needs_the_policy_kept_after_the_one_before(cq, tmp_path) -> None:
+    run = _run(tmp_path / "a", {"weights": None})
+    assert cq.sampling_weights(run, 9) == run / "checkpoints" / "policy-000008.pt"
+    with pytest.raises(SystemExit, match="no policy-000004.pt .*keep_policies"):
+        cq.sampling_weights(run, 5)
