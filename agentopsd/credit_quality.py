@@ -16,7 +16,7 @@ interval is a percentile bootstrap over trajectories. Pure numpy; no torch, no c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,3 +150,51 @@ def credit_quality(
         pairwise_accuracy=bootstrap_mean(accs, resamples=resamples, seed=seed),
         pairs=pairs,
     )
+
+
+def paired_accuracy_difference(
+    signal_a: Sequence[Sequence[float]], signal_b: Sequence[Sequence[float]], truths: Sequence[Sequence[float]], *,
+    margin: float = 0.0, clusters: Sequence[Hashable] | None = None, resamples: int = 2000, seed: int = 0,
+) -> Estimate:
+    """Mean over trajectories of pairwise accuracy of ``signal_a`` minus that of ``signal_b``, with its 95% interval.
+
+    Both signals are scored on the same turns and the same pairs, so the difference is paired per
+    trajectory. ``clusters`` (one label per trajectory, e.g. its run) makes the interval a cluster
+    bootstrap: whole clusters are resampled, since the trajectories of one run are not independent.
+    """
+    if not len(signal_a) == len(signal_b) == len(truths):
+        raise ValueError(f"got {len(signal_a)}, {len(signal_b)} and {len(truths)} rows")
+    if clusters is not None and len(clusters) != len(truths):
+        raise ValueError(f"got {len(clusters)} cluster labels for {len(truths)} trajectories")
+    diffs, labels = [], []
+    for i, (a, b, t) in enumerate(zip(signal_a, signal_b, truths)):
+        acc_a, acc_b = pairwise_accuracy(a, t, margin), pairwise_accuracy(b, t, margin)
+        if acc_a is not None:  # the same truth and margin: both are defined or neither
+            diffs.append(acc_a[0] - acc_b[0])
+            labels.append(clusters[i] if clusters is not None else i)
+    if clusters is None:
+        return bootstrap_mean(diffs, resamples=resamples, seed=seed)
+    return cluster_bootstrap_mean(diffs, labels, resamples=resamples, seed=seed)
+
+
+def cluster_bootstrap_mean(values: Sequence[float], clusters: Sequence[Hashable], *, resamples: int = 2000, seed: int = 0,
+                           level: float = 0.95) -> Estimate:
+    """Mean of ``values`` with a percentile bootstrap that resamples whole clusters (``n`` = clusters)."""
+    v = np.asarray(values, dtype=float)
+    if v.size != len(clusters):
+        raise ValueError(f"got {v.size} values and {len(clusters)} cluster labels")
+    if v.size == 0:
+        return Estimate(float("nan"), float("nan"), float("nan"), 0)
+    if resamples < 1 or not 0 < level < 1:
+        raise ValueError(f"need resamples >= 1 and 0 < level < 1, got {resamples} and {level}")
+    index: dict[Hashable, int] = {}
+    ids = np.asarray([index.setdefault(c, len(index)) for c in clusters])
+    sums, counts = np.bincount(ids, weights=v), np.bincount(ids).astype(float)
+    draw = np.random.default_rng(seed).integers(0, len(index), size=(resamples, len(index)))
+    means = sums[draw].sum(axis=1) / counts[draw].sum(axis=1)
+    alpha = (1 - level) / 2
+    low, high = np.quantile(means, [alpha, 1 - alpha])
+    if np.all(v == v[0]):
+        low = high = float(v[0])
+    return Estimate(float(v.mean()), float(low), float(high), len(index))
+

@@ -65,6 +65,8 @@ class LoggedTrajectory:
     success: bool
     seq_advantage: float
     turns: tuple[LoggedTurn, ...]
+    group: int = -1
+    """The task group's id within its iteration (-1 where the shard predates it)."""
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any], *, run: str, algorithm: str) -> LoggedTrajectory:
@@ -76,7 +78,7 @@ class LoggedTrajectory:
         )
         return cls(run=run, algorithm=algorithm, env_id=str(record["env"]), iteration=int(record["iteration"]),
                    task_index=int(record["task_index"]), success=bool(record["success"]),
-                   seq_advantage=float(record["seq_advantage"]), turns=turns)
+                   seq_advantage=float(record["seq_advantage"]), turns=turns, group=int(record.get("group", -1)))
 
 
 @dataclass

@@ -32,8 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* env ids)
-from agentopsd.credit_quality import credit_quality  # noqa: E402
+from agentopsd.credit_quality import credit_quality, paired_accuracy_difference  # noqa: E402
+from agentopsd.credit_rules import RULES, LoggedGroup, rule_orderings  # noqa: E402
 from agentopsd.groundtruth import (  # noqa: E402
+    FORMAT_ERROR_PREFIX,
     LoggedTrajectory,
     expert_gain,
     expert_label,
@@ -87,8 +89,18 @@ def turn_kind(bank, observation: str) -> str:
     return "+".join(bank.situational(observation).categories) or "routine"
 
 
-def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTrajectory, list[float], list[str], list[str]]]:
-    """Per trajectory: the expert gain and label of every turn, and the turn's kind (``turn_kind``)."""
+def anchor_states(observations: list[str]) -> list[str]:
+    """The environment state each turn acted on, from the observations shown before each turn: a format
+    error's note is not a state (the env did not step), so the turn after one acted on the last real one."""
+    out: list[str] = []
+    for obs in observations:
+        out.append(out[-1] if obs.startswith(FORMAT_ERROR_PREFIX) and out else obs)
+    return out
+
+
+def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTrajectory, list[float], list[str], list[str], list[str]]]:
+    """Per trajectory: the expert gain and label of every turn, the turn's kind (``turn_kind``) and the
+    environment state it acted on (``anchor_states``)."""
     from agentopsd.skills import SkillBank
 
     max_turns = int(cfg["env"]["max_turns"])
@@ -101,7 +113,8 @@ def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTraj
         path = expert_path(states)
         pairs = list(zip(path[:-1], path[1:]))
         kinds = [turn_kind(bank, s.observation) for s in states[:-1]]
-        out.append((traj, [expert_gain(b, a) for b, a in pairs], [expert_label(b, a) for b, a in pairs], kinds))
+        out.append((traj, [expert_gain(b, a) for b, a in pairs], [expert_label(b, a) for b, a in pairs], kinds,
+                    anchor_states([s.observation for s in states[:-1]])))
     env.close()
     return out
 
@@ -151,6 +164,53 @@ def warm_start_policy(run: Path, cfg: dict, seed: int, iteration: int = 1):
     return generator_policy(HFGenerator(model, tokenizer), prompts, sampling), format_note(prompts)
 
 
+def token_counter(run: Path, cfg: dict):
+    """turn -> tokens its reply took, re-tokenised with the run's tokenizer from the logged action
+    (``<action>a</action>``; a format error's raw text), or None where the run's format or model is not
+    one this can rebuild (StepOPSD's mean gap divides by the count)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    if cfg.get("env", {}).get("output_format") != "action" or "model" not in cfg:
+        return None
+    full = OmegaConf.load(run / ".hydra" / "config.yaml")
+    _, tokenizer = instantiate(OmegaConf.to_container(full.model, resolve=True))
+    cap = int(cfg.get("rollout", {}).get("max_new_tokens", 10**6))
+
+    def count(turn) -> int:
+        text = f"<action>{turn.action}</action>" if turn.stepped else turn.action
+        return min(cap, len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return count
+
+
+def rule_rows(cfg: dict, labelled: list, count) -> tuple[dict[int, dict[str, list]], float]:
+    """Every credit rule recomputed on the run's whole logged groups (``credit_rules``): id(traj) -> rule ->
+    the turn ordering, and the largest gap between the recomputed AgentOPSD ordering and the logged one
+    (sign(A) * w_k; a fidelity check: the rules see what training saw)."""
+    size = int(cfg.get("data", {}).get("group_size", 0))
+    groups: dict[tuple[int, int], list] = defaultdict(list)
+    for item in labelled:
+        traj = item[0]
+        if traj.group >= 0 and all("evidence" in t.signals for t in traj.turns):
+            groups[(traj.iteration, traj.group)].append(item)
+    out: dict[int, dict[str, list]] = {}
+    worst = 0.0
+    for members in groups.values():
+        if len(members) != size:  # the prior and GiGPO's step groups need the whole group
+            continue
+        trajs = [m[0] for m in members]
+        group = LoggedGroup(success=[t.success for t in trajs], seq_advantages=[t.seq_advantage for t in trajs],
+                            evidence=[[u.signals["evidence"] for u in t.turns] for t in trajs],
+                            tokens=[[count(u) for u in t.turns] for t in trajs], states=[m[4] for m in members])
+        orders = rule_orderings(group)
+        for i, traj in enumerate(trajs):
+            out[id(traj)] = {rule: orders[rule][i].tolist() for rule in RULES}
+            if all("multiplier" in u.signals for u in traj.turns):
+                logged = np.sign(traj.seq_advantage) * np.asarray([u.signals["multiplier"] for u in traj.turns])
+                worst = max(worst, float(np.max(np.abs(logged - orders["agentopsd"][i]))))
+    return out, worst
+
+
 def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int, iteration: int = 1) -> dict[int, list[float]]:
     """Monte Carlo turn advantages (id(traj) -> [K]) for the trajectories of ``iteration``, under the policy that sampled them.
 
@@ -162,6 +222,13 @@ def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int,
     first = [t for t in trajs if t.iteration == iteration]
     if not first:
         raise SystemExit(f"{run}: no logged trajectories of iteration {iteration}")
+    # the continuations cost minutes to hours: kept beside the run, keyed by what they were computed for
+    cache = run / "groundtruth" / f"mc-iter{iteration:04d}-m{samples}.json"
+    tag = [[t.task_index, len(t.turns)] for t in first]
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("trajectories") == tag:
+            return {id(t): v for t, v in zip(first, saved["advantages"])}
     max_turns = int(cfg["env"]["max_turns"])
     env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
     policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)), iteration=iteration)
@@ -174,7 +241,39 @@ def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int,
         v = values[at:at + len(group)]
         at += len(group)
         out[id(traj)] = [after - before for before, after in zip(v[:-1], v[1:])]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"trajectories": tag, "advantages": [out[id(t)] for t in first]}))
+    tmp.replace(cache)
     return out
+
+
+def stage_key(stage: str) -> tuple[int, int]:
+    """Thirds of a run in order, then Monte Carlo iterations in order."""
+    return (0, STAGES.index(stage)) if stage in STAGES else (1, int(stage.removeprefix("iter")))
+
+
+def rules_table(rule_cells: dict, args: argparse.Namespace) -> list[dict]:
+    """One row per (truth, env, stage, rule): the rule's quality and AgentOPSD's paired advantage over it."""
+    rows = []
+    for (truth, level, stage), items in sorted(rule_cells.items(), key=lambda kv: (kv[0][0], kv[0][1], stage_key(kv[0][2]))):
+        margin = args.margin if truth == "expert" else args.mc_margin
+        runs = [run for run, _, _ in items]
+        tru = [t for _, _, t in items]
+        paper = [orders["agentopsd"] for _, orders, _ in items]
+        for rule in RULES:
+            sig = [orders[rule] for _, orders, _ in items]
+            q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
+            row = {"truth": truth, "env": level, "stage": stage, "rule": rule, "trajectories": len(sig),
+                   "rank_corr": q.rank_correlation.fmt(), "pairwise_acc": q.pairwise_accuracy.fmt(),
+                   "pairwise_n": q.pairwise_accuracy.n, "agentopsd_minus_rule": "", "over_runs": ""}
+            if rule != "agentopsd":
+                row["agentopsd_minus_rule"] = paired_accuracy_difference(
+                    paper, sig, tru, margin=margin, resamples=args.resamples).fmt()
+                by_run = paired_accuracy_difference(paper, sig, tru, margin=margin, clusters=runs, resamples=args.resamples)
+                row["over_runs"] = f"{by_run.fmt()} ({by_run.n} runs)"
+            rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -189,7 +288,9 @@ def main() -> None:
                              "after the iteration before: checkpoint.keep_policies)")
     parser.add_argument("--mc-margin", type=float, default=0.25,
                         help="pairs count under the Monte Carlo truth when it differs by more (sampling noise)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for table.md and table.csv")
+    parser.add_argument("--no-rules", action="store_true",
+                        help="skip recomputing every credit rule on the logged groups of runs that log the evidence")
+    parser.add_argument("--out", type=Path, default=None, help="folder for table.md, table.csv and rules.csv")
     args = parser.parse_args()
 
     # (truth, algorithm, env, stage, signal) -> per-trajectory signal and truth rows
@@ -198,6 +299,9 @@ def main() -> None:
     label_count: dict[tuple[str, str], int] = defaultdict(int)
     kind_signal: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     kind_count: dict[tuple[str, str, str], int] = defaultdict(int)
+    # (truth, env, stage) -> (run, rule -> ordering, truth) per trajectory: every rule on the same rollouts
+    rule_cells: dict[tuple[str, str, str], list[tuple[str, dict[str, list[float]], list[float]]]] = defaultdict(list)
+    rule_runs: list[tuple[str, int, float]] = []
     n_traj = 0
     for run in args.runs:
         cfg, trajs = load_run(run)
@@ -208,7 +312,12 @@ def main() -> None:
             got = mc_truths(run, cfg, trajs, args.mc_samples, it)
             mc.update(got)
             mc_iteration.update({key: it for key in got})
-        for traj, gains, labels, kinds in label_run(cfg, trajs):
+        labelled = label_run(cfg, trajs)
+        count = None if args.no_rules else token_counter(run, cfg)
+        rules, worst = rule_rows(cfg, labelled, count) if count is not None else ({}, 0.0)
+        if rules:
+            rule_runs.append((run.name, len(rules), worst))
+        for traj, gains, labels, kinds, _ in labelled:
             n_traj += 1
             level = traj.env_id.split("/")[-1]
             signals = {name: [t.signals[name] for t in traj.turns] for name in ("advantage", "evidence", "revision")
@@ -225,6 +334,8 @@ def main() -> None:
                     sig, tru = cells[(truth, traj.algorithm, level, stage, name)]
                     sig.append(values)
                     tru.append(values_t)
+                if id(traj) in rules:
+                    rule_cells[(truth, level, stage)].append((run.name, rules[id(traj)], values_t))
             for turn, label, kind in zip(traj.turns, labels, kinds):
                 label_count[(traj.algorithm, label)] += 1
                 kind_count[(traj.algorithm, kind, label)] += 1
@@ -233,9 +344,6 @@ def main() -> None:
                     kind_signal[(traj.algorithm, kind, label)].append(turn.signals["evidence"])
 
     rows = []
-    def stage_key(stage: str) -> tuple[int, int]:
-        return (0, STAGES.index(stage)) if stage in STAGES else (1, int(stage.removeprefix("iter")))
-
     for (truth, alg, level, stage, name), (sig, tru) in sorted(cells.items(), key=lambda kv: (
             kv[0][0], kv[0][1], kv[0][2], stage_key(kv[0][3]), SIGNAL_ORDER.index(kv[0][4]))):
         margin = args.margin if truth == "expert" else args.mc_margin
@@ -272,6 +380,21 @@ def main() -> None:
         ev = np.asarray(kind_signal.get((alg, kind, label), []))
         cells = f"{ev.mean():.3f} | {ev.std():.3f} | {np.mean(np.abs(ev) > 0.1):.2f}" if ev.size else "n/a | | "
         lines.append(f"| {alg} | {kind} | {label} | {count} | {cells} |")
+    rule_table = rules_table(rule_cells, args)
+    if rule_table:
+        lines += ["", "## Every credit rule on the same rollouts", "",
+                  f"The runs that log the evidence e_k ({', '.join(f'{name}: {n} trajectories' for name, n, _ in rule_runs)}): "
+                  "on each whole logged task group, every turn-level rule recomputed from the logged evidence, outcomes and "
+                  "A_seq (`agentopsd.credit_rules`): the paper's method, its ablations without the prior, without the "
+                  "accumulator (`raw_gap`) and without the outcome sign (`magnitude`), StepOPSD (each turn's own mean gap; "
+                  "tokens re-counted from the logged action) and GiGPO (anchor states from the replayed observations). "
+                  "The recomputed AgentOPSD ordering sign(A) w_k matches the logged one to "
+                  f"{max(w for _, _, w in rule_runs):.1e}. The per-token rules (token-level accumulation, RLSD) need each "
+                  "token's gap, which the shards do not keep. Last two columns: AgentOPSD's pairwise accuracy minus the "
+                  "rule's, paired per trajectory, with 95% bootstrap intervals over trajectories and over runs (whole "
+                  "runs resampled).", "",
+                  "| " + " | ".join(rule_table[0]) + " |", "|" + "---|" * len(rule_table[0])]
+        lines += ["| " + " | ".join(str(r[h]) for h in rule_table[0]) + " |" for r in rule_table]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
@@ -281,6 +404,11 @@ def main() -> None:
             writer = csv.DictWriter(f, fieldnames=head)
             writer.writeheader()
             writer.writerows(rows)
+        if rule_table:
+            with open(args.out / "rules.csv", "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rule_table[0]))
+                writer.writeheader()
+                writer.writerows(rule_table)
 
 
 if __name__ == "__main__":

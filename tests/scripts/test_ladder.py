@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,15 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and "greedy" in again.stdout
     assert not list((tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "csv").glob("version_1"))  # nothing retrained
+    # the credit-quality command on the grid's AgentOPSD run: every rule recomputed on its logged groups,
+    # the paper's rule matching what training logged
+    out = tmp_path / "cq"
+    cq = subprocess.run([sys.executable, "scripts/credit_quality.py", str(tmp_path / "runs" / "KeyDoorBoxS5-agentopsd-s0"),
+                         "--resamples", "50", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert cq.returncode == 0, cq.stderr[-3000:]
+    text = (out / "table.md").read_text()
+    assert "## Every credit rule on the same rollouts" in text
+    match = re.search(r"matches the logged one to ([0-9.e+-]+)\.", text)
+    assert match and float(match.group(1)) < 1e-3
+    rules = (out / "rules.csv").read_text().splitlines()
+    assert rules[0].startswith("truth,env,stage,rule") and sum(",gigpo," in r for r in rules) >= 1
