@@ -109,6 +109,8 @@ class EvalConfig:
     """0 = only before training and at the end."""
     before_training: bool = True
     """Evaluate the initial weights too (off when many runs share one warm start already evaluated)."""
+    at_end: bool = True
+    """Evaluate the trained weights (off for a run that only measures its starting weights)."""
     max_turns: int | None = None
     """Defaults to env.max_turns."""
     sampled_copies: int = 0

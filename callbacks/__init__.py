@@ -22,7 +22,8 @@ def default_callbacks(cfg, output_dir: Path) -> list:
     callbacks = [
         PreemptionCallback(checkpoint),  # first: its signal handlers cover the pre-training evaluation too
         CreditCallback(),
-        EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations, before_training=cfg.evaluation.get("before_training", True)),
+        EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations, before_training=cfg.evaluation.get("before_training", True),
+                           at_end=cfg.evaluation.get("at_end", True)),
         checkpoint,
         RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
     ]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import random
@@ -45,6 +46,8 @@ from quickstart_seeds import export_code, head_commit, log_rows, parse_seeds  # 
 LEVELS = {"KeyDoorBoxS5": 32, "KeyDoorBoxS7": 44, "KeyDoorBoxS9": 60}
 METHODS = ["grpo", "agentopsd", "stepopsd", "gigpo"]
 ITERATIONS = 16
+CODE_PATHS = ("agentopsd", "envs", "callbacks", "conf", "train.py", "pyproject.toml")
+"""The trained code (agentopsd/envs, /callbacks and /conf link to the top-level folders)."""
 DIAGNOSTICS = ["rollout/success", "credit/evidence_outcome_corr", "credit/mean_abs_revision", "credit/evidence_mean"]
 
 
@@ -109,7 +112,7 @@ def before(out: Path, code: Path, commit: str, level: str, levels: list[str], se
     run_dir.mkdir(parents=True)
     # one tiny iteration: its evaluation before training is the warm start's on this rung
     rc = _train(code, run_dir, level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2", f"warm_start.weights={weights}",
-                                                       *shared(warm_level), *overrides])
+                                                       "evaluation.at_end=false", *shared(warm_level), *overrides])
     row = evals(log_rows(run_dir)).get(0)
     if rc != 0 or row is None:
         raise RuntimeError(f"warm start evaluation {level} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
@@ -117,8 +120,16 @@ def before(out: Path, code: Path, commit: str, level: str, levels: list[str], se
     return row
 
 
+def code_identity(commit: str, root: Path = ROOT) -> str:
+    """What a run's numbers depend on: the git trees of the trained code at ``commit``. A commit that changes only
+    scripts, tests, docs or results keeps it, so a run cut short resumes across such commits."""
+    trees = [subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{commit}:{path}"], cwd=root, capture_output=True, text=True).stdout.strip()
+             for path in CODE_PATHS]
+    return hashlib.sha1(" ".join(trees).encode()).hexdigest()[:12]
+
+
 def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], method: str, seed: int, iterations: int,
-            overrides: list[str]) -> dict:
+            overrides: list[str], identity: str = "") -> dict:
     weights = warm_weights(out, code, levels, seed, overrides)
     warm_level = max(levels, key=lambda lv: LEVELS[lv])
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
@@ -126,7 +137,7 @@ def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], m
     if iterations not in evals(log_rows(run_dir)):
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         last = run_dir / "checkpoints" / "last.ckpt"
-        resume = last.exists() and meta.get("commit") == commit
+        resume = last.exists() and meta.get("code", meta.get("commit")) == (identity or commit)
         if not resume:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
@@ -135,7 +146,7 @@ def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], m
                  *shared(warm_level), *overrides]
         start = time.monotonic()
         rc = _train(code, run_dir, level, method, seed, iterations, extra + ([f"ckpt_path={last}"] if resume else []))
-        meta = {"commit": commit, "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
+        meta = {"commit": commit, "code": identity or commit, "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
         meta_path.write_text(json.dumps(meta))
         if rc != 0 or iterations not in evals(log_rows(run_dir)):
             raise RuntimeError(f"{level} {method} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
@@ -346,8 +357,10 @@ def main(argv: list[str] | None = None) -> None:
     seeds = parse_seeds(args.seeds)
     commit = head_commit()
     code = args.code.resolve() if args.code else export_code(commit, Path(os.environ.get("TMPDIR", "/tmp")) / "ladder_src")
+    identity = code_identity(commit)
     if args.code:
         commit += "+worktree"
+        identity = commit  # uncommitted edits: resume only within this invocation's own runs
     # rows of runs made earlier (other rungs, seeds or methods) stay in the table
     keep = [r for r in read_rows(args.out) if (r["level"], r["method"], r["seed"]) not in
             {(lv, m, s) for lv in args.levels for m in args.methods for s in seeds}]
@@ -368,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
                 warm_weights(args.out, code, args.levels, s, args.overrides)
             with rung_locks[(lv, s)]:
                 before(args.out, code, commit, lv, args.levels, s, args.overrides)
-            row = run_one(args.out, code, commit, lv, args.levels, m, s, args.iterations, args.overrides)
+            row = run_one(args.out, code, commit, lv, args.levels, m, s, args.iterations, args.overrides, identity)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)

@@ -75,6 +75,25 @@ def test_rows_round_trip_through_runs_csv(ladder, tmp_path) -> None:
     assert (tmp_path / "horizon.png").stat().st_size > 0 and "Paired difference" in (tmp_path / "table.md").read_text()
 
 
+def test_a_run_cut_short_resumes_across_commits_that_leave_the_trained_code_alone(ladder, tmp_path) -> None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@t"), git("config", "user.name", "t")
+    for rel in ("agentopsd/a.py", "scripts/s.py", "train.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    git("add", "-A"), git("commit", "-qm", "a")
+    first = ladder.code_identity(git("rev-parse", "HEAD"), tmp_path)
+    (tmp_path / "scripts" / "s.py").write_text("x = 2\n")
+    git("commit", "-qam", "scripts only")
+    assert ladder.code_identity(git("rev-parse", "HEAD"), tmp_path) == first
+    (tmp_path / "agentopsd" / "a.py").write_text("x = 2\n")
+    git("commit", "-qam", "trained code")
+    assert ladder.code_identity(git("rev-parse", "HEAD"), tmp_path) != first
+
+
 @pytest.mark.slow
 def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     """Two methods, one seed, one rung, one iteration: a shared warm start, both evaluations, the table;
@@ -94,6 +113,8 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
         # one warm start, trained once, loaded by the rung's evaluation and by both methods
         assert f"loaded {weights} (warm_start.weights)" in (tmp_path / "runs" / name / "stdout.log").read_text()
     assert "supervised steps" in (tmp_path / "runs" / "warm-s0" / "stdout.log").read_text()
+    # the rung's evaluation of the warm start evaluates once, before its one tiny iteration, not again after it
+    assert "before RL (no evaluation after it)" in (tmp_path / "runs" / "KeyDoorBoxS5-before-s0" / "stdout.log").read_text()
     assert (tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "checkpoints" / "policy-000001.pt").is_file()
     table = (tmp_path / "table.md").read_text()
     assert "| agentopsd |" in table and "| grpo |" in table and "Success at temperature 1" in table
