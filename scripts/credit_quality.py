@@ -211,41 +211,44 @@ def rule_rows(cfg: dict, labelled: list, count) -> tuple[dict[int, dict[str, lis
     return out, worst
 
 
-def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int, iteration: int = 1) -> dict[int, list[float]]:
+def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int, iteration: int = 1,
+              every: bool = False) -> dict[int, list[float]]:
     """Monte Carlo turn advantages (id(traj) -> [K]) for the trajectories of ``iteration``, under the policy that sampled them.
 
     Iteration 1 was sampled by the warm start; a later one needs the policy the run kept after the
-    iteration before (``checkpoint.keep_policies``).
+    iteration before (``checkpoint.keep_policies``). Unless ``every``, only trajectories with A_seq != 0:
+    where A_seq = 0 (a group that all won or all lost) every credit rule gives each turn one value, so its
+    ordering is chance by construction, and the continuations (the costly part) would change no credit row.
     """
     import torch
 
-    first = [t for t in trajs if t.iteration == iteration]
-    if not first:
+    logged = [t for t in trajs if t.iteration == iteration]
+    if not logged:
         raise SystemExit(f"{run}: no logged trajectories of iteration {iteration}")
-    # the continuations cost minutes to hours: kept beside the run, keyed by what they were computed for
+    # the continuations cost minutes to hours: kept beside the run, one entry per trajectory
     cache = run / "groundtruth" / f"mc-iter{iteration:04d}-m{samples}.json"
-    tag = [[t.task_index, len(t.turns)] for t in first]
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved.get("trajectories") == tag:
-            return {id(t): v for t, v in zip(first, saved["advantages"])}
-    max_turns = int(cfg["env"]["max_turns"])
-    env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
-    policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)), iteration=iteration)
-    states = [replay(env, t, max_turns) for t in first]
-    flat = [s for group in states for s in group]
-    with torch.no_grad():
-        values = mc_values(flat, policy, samples, max_turns, note)
-    out, at = {}, 0
-    for traj, group in zip(first, states):
-        v = values[at:at + len(group)]
-        at += len(group)
-        out[id(traj)] = [after - before for before, after in zip(v[:-1], v[1:])]
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"trajectories": tag, "advantages": [out[id(t)] for t in first]}))
-    tmp.replace(cache)
-    return out
+    saved: dict[str, list[float]] = json.loads(cache.read_text()) if cache.is_file() else {}
+    key = {id(t): f"{n}:{t.task_index}:{len(t.turns)}" for n, t in enumerate(logged)}
+    wanted = [t for t in logged if every or t.seq_advantage != 0]
+    todo = [t for t in wanted if key[id(t)] not in saved]
+    if todo:
+        max_turns = int(cfg["env"]["max_turns"])
+        env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
+        policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)), iteration=iteration)
+        states = [replay(env, t, max_turns) for t in todo]
+        flat = [s for group in states for s in group]
+        with torch.no_grad():
+            values = mc_values(flat, policy, samples, max_turns, note)
+        at = 0
+        for traj, group in zip(todo, states):
+            v = values[at:at + len(group)]
+            at += len(group)
+            saved[key[id(traj)]] = [after - before for before, after in zip(v[:-1], v[1:])]
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(saved))
+        tmp.replace(cache)
+    return {id(t): saved[key[id(t)]] for t in wanted}
 
 
 def stage_key(stage: str) -> tuple[int, int]:
@@ -286,6 +289,8 @@ def main() -> None:
     parser.add_argument("--mc-iterations", type=int, nargs="+", default=[1],
                         help="iterations whose trajectories get the Monte Carlo truth (after 1, each needs the policy kept "
                              "after the iteration before: checkpoint.keep_policies)")
+    parser.add_argument("--mc-every", action="store_true",
+                        help="the Monte Carlo truth also for trajectories with A_seq = 0 (every credit rule ties there)")
     parser.add_argument("--mc-margin", type=float, default=0.25,
                         help="pairs count under the Monte Carlo truth when it differs by more (sampling noise)")
     parser.add_argument("--no-rules", action="store_true",
@@ -309,7 +314,7 @@ def main() -> None:
         mc: dict[int, list[float]] = {}
         mc_iteration: dict[int, int] = {}
         for it in args.mc_iterations if args.mc_samples > 0 else []:
-            got = mc_truths(run, cfg, trajs, args.mc_samples, it)
+            got = mc_truths(run, cfg, trajs, args.mc_samples, it, every=args.mc_every)
             mc.update(got)
             mc_iteration.update({key: it for key in got})
         labelled = label_run(cfg, trajs)
@@ -361,7 +366,8 @@ def main() -> None:
              f"Truth `expert`: the BabyAI bot's remaining path saved by the turn (margin {args.margin}); stages are thirds "
              f"of each run's logged iterations. Truth `mc`: Monte Carlo turn advantage V(s_k+1) - V(s_k) with "
              f"{args.mc_samples} continuations per state under the policy that sampled the iteration (iterations "
-             f"{', '.join(map(str, args.mc_iterations))}; margin {args.mc_margin}). "
+             f"{', '.join(map(str, args.mc_iterations))}; margin {args.mc_margin}"
+             f"{'' if args.mc_every else '; only trajectories with A_seq != 0, the others tie under every credit rule'}). "
              "Signal `uniform` (A_seq on every turn) is the chance line: 0.5 exactly; `advantage` is the logged turn "
              "advantage (it carries the per-turn invalid-action and format penalties, so even GRPO's is not uniform); "
              "`credit` = sign(A_seq) * w_k, the credit method's own ordering without penalties.", "", f"    {command}", "",
