@@ -133,3 +133,17 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     assert match and float(match.group(1)) < 1e-3
     rules = (out / "rules.csv").read_text().splitlines()
     assert rules[0].startswith("truth,env,stage,rule") and sum(",gigpo," in r for r in rules) >= 1
+    # the Monte Carlo truth: computed once, kept beside the run, read back by the next invocation
+    mc_cmd = [sys.executable, "scripts/credit_quality.py", str(tmp_path / "runs" / "KeyDoorBoxS5-agentopsd-s0"), "--resamples", "50",
+              "--mc-samples", "2", "--mc-iterations", "1", "--mc-every"]
+    first = subprocess.run([*mc_cmd, "--out", str(tmp_path / "mc1")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    cache = tmp_path / "runs" / "KeyDoorBoxS5-agentopsd-s0" / "groundtruth" / "mc-iter0001-m2.json"
+    saved = json.loads(cache.read_text())
+    assert len(saved) == 4 and all(isinstance(v, list) for v in saved.values())  # 2 tasks x 2 copies
+    # a cached truth is read, not recomputed: a truth that rises turn by turn (no policy would give it) shows up
+    cache.write_text(json.dumps({k: [float(i) for i in range(len(v))] for k, v in saved.items()}))
+    second = subprocess.run([*mc_cmd, "--out", str(tmp_path / "mc2")], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert ("| mc | agentopsd | BabyAI-KeyDoorBoxS5-v0 | iter1 | uniform | 4 | 0.000 [0.000, 0.000] | 4 | 0.500 [0.500, 0.500] | 4 |"
+            in (tmp_path / "mc2" / "table.md").read_text())
