@@ -32,7 +32,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* env ids)
-from agentopsd.credit_quality import credit_quality, paired_accuracy_difference  # noqa: E402
+from agentopsd.credit_quality import (  # noqa: E402
+    cluster_bootstrap_mean,
+    credit_quality,
+    paired_accuracy_difference,
+    pairwise_accuracy,
+)
 from agentopsd.credit_rules import RULES, LoggedGroup, rule_orderings  # noqa: E402
 from agentopsd.groundtruth import (  # noqa: E402
     FORMAT_ERROR_PREFIX,
@@ -253,7 +258,9 @@ def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int,
 
 def stage_key(stage: str) -> tuple[int, int]:
     """Thirds of a run in order, then Monte Carlo iterations in order."""
-    return (0, STAGES.index(stage)) if stage in STAGES else (1, int(stage.removeprefix("iter")))
+    if stage in STAGES:
+        return (0, STAGES.index(stage))
+    return (2, 0) if stage == "rl" else (1, int(stage.removeprefix("iter")))
 
 
 def rules_table(rule_cells: dict, args: argparse.Namespace) -> list[dict]:
@@ -267,9 +274,13 @@ def rules_table(rule_cells: dict, args: argparse.Namespace) -> list[dict]:
         for rule in RULES:
             sig = [orders[rule] for _, orders, _ in items]
             q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
+            accs = [(run, pairwise_accuracy(s_, t_, margin)) for run, s_, t_ in zip(runs, sig, tru)]
+            by_run_acc = cluster_bootstrap_mean([a[0] for _, a in accs if a], [run for run, a in accs if a],
+                                                resamples=args.resamples)
             row = {"truth": truth, "env": level, "stage": stage, "rule": rule, "trajectories": len(sig),
                    "rank_corr": q.rank_correlation.fmt(), "pairwise_acc": q.pairwise_accuracy.fmt(),
-                   "pairwise_n": q.pairwise_accuracy.n, "agentopsd_minus_rule": "", "over_runs": ""}
+                   "pairwise_n": q.pairwise_accuracy.n, "pairwise_acc_over_runs": f"{by_run_acc.fmt()} ({by_run_acc.n} runs)",
+                   "agentopsd_minus_rule": "", "over_runs": ""}
             if rule != "agentopsd":
                 row["agentopsd_minus_rule"] = paired_accuracy_difference(
                     paper, sig, tru, margin=margin, resamples=args.resamples).fmt()
@@ -334,6 +345,8 @@ def main() -> None:
             truths = {("expert", stage_of(traj.iteration, last)): gains}
             if id(traj) in mc:
                 truths[("mc", f"iter{mc_iteration[id(traj)]}")] = mc[id(traj)]
+                if mc_iteration[id(traj)] > 1:  # during RL: every Monte Carlo iteration after the first, pooled
+                    truths[("mc", "rl")] = mc[id(traj)]
             for (truth, stage), values_t in truths.items():
                 for name, values in signals.items():
                     sig, tru = cells[(truth, traj.algorithm, level, stage, name)]
@@ -398,7 +411,7 @@ def main() -> None:
                   f"{max(w for _, _, w in rule_runs):.1e}. The per-token rules (token-level accumulation, RLSD) need each "
                   "token's gap, which the shards do not keep. Last two columns: AgentOPSD's pairwise accuracy minus the "
                   "rule's, paired per trajectory, with 95% bootstrap intervals over trajectories and over runs (whole "
-                  "runs resampled).", "",
+                  "runs resampled). Stage `rl`: every Monte Carlo iteration after the first, pooled.", "",
                   "| " + " | ".join(rule_table[0]) + " |", "|" + "---|" * len(rule_table[0])]
         lines += ["| " + " | ".join(str(r[h]) for h in rule_table[0]) + " |" for r in rule_table]
     text = "\n".join(lines) + "\n"
