@@ -11,8 +11,9 @@ before the turn (s_k) and after it (s_{k+1}):
   M continuations of the policy from that state within the episode's remaining turn budget.
 
 A BabyAI env (minigrid grid, bot memory, step counters, the TimeLimit wrapper) copies exactly
-with ``copy.deepcopy``: a restored copy continued with the same actions gives the same
-observations (tested). Logged trajectories are replayed from their task index, and every replayed
+with ``copy.deepcopy``; an ALFWorld env's deepcopy replays the episode's commands on a fresh
+engine (its planner cannot be copied). Either way a restored copy continued with the same actions
+gives the same observations (tested). Logged trajectories are replayed from their task index, and every replayed
 observation is checked against the logged one, so a state that does not match its log is an error,
 never a silent label.
 """
@@ -168,7 +169,8 @@ def replay(env: gym.Env, traj: LoggedTrajectory, max_turns: int) -> list[State]:
 
 
 def expert_remaining(state: State, cap: int = 256) -> int:
-    """Steps the BabyAI bot needs to win from ``state`` (0 if already won), -1 if it cannot within ``cap``.
+    """Steps the env's expert (the BabyAI bot, ALFWorld's handcoded expert) needs to win from ``state``
+    (0 if already won), -1 if it cannot within ``cap``.
 
     Runs on a copy of the bare env with its step limits lifted: the label measures the task's
     distance, not the episode's remaining budget (an episode cut by the turn limit is not lost
@@ -180,10 +182,11 @@ def expert_remaining(state: State, cap: int = 256) -> int:
         return -1
     env = copy.deepcopy(state.env.unwrapped)
     if not hasattr(env, "expert_action"):
-        raise ValueError(f"{type(env).__name__} has no expert_action(): the expert label needs a BabyAI env")
-    env._ended = False  # reopen an episode the turn limit closed; the copy's limits are lifted below
-    env.max_steps = env._steps + cap + 1
-    env._grid.max_steps = env._grid.step_count + cap + 1
+        raise ValueError(f"{type(env).__name__} has no expert_action(): the expert label needs a BabyAI or ALFWorld env")
+    if hasattr(env, "_grid"):  # BabyAI keeps its own step limit inside the env
+        env._ended = False  # reopen an episode the turn limit closed; the copy's limits are lifted below
+        env.max_steps = env._steps + cap + 1
+        env._grid.max_steps = env._grid.step_count + cap + 1
     for n in range(1, cap + 1):
         action = env.expert_action()
         if action == "done":  # the bot sees no way left (e.g. the target box was opened and vanished)

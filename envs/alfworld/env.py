@@ -111,6 +111,9 @@ class ALFWorldEnv(gym.Env[str, str]):
         if isinstance(scene_seed, bool) or not isinstance(scene_seed, int) or scene_seed < 0:
             raise ValueError(f"scene_seed must be an int >= 0, got {scene_seed!r}")
         load_engine()  # first: an ImportError naming the extra when it is missing
+        self._init_kwargs = {"split": split, "data_dir": data_dir, "eval_split": eval_split, "source": source,
+                             "cache_dir": cache_dir, "scene_seed": scene_seed}
+        self._commands: list[str] = []
         self.split = split
         self.scene_seed = scene_seed
         data = resolve_data_dir(data_dir, source)
@@ -174,6 +177,7 @@ class ALFWorldEnv(gym.Env[str, str]):
         with private_random(self._rng):
             self._state = self._engine.reset()
         self._index, self._done = index, False
+        self._commands = []
         obs = clean_text(strip_welcome(self._state["feedback"]))
         self._task = task_of(obs)
         info = self._info(action_valid=True)
@@ -191,6 +195,7 @@ class ALFWorldEnv(gym.Env[str, str]):
             return INVALID, 0.0, False, False, self._info(action_valid=False)
         with private_random(self._rng):
             self._state, _, _ = self._engine.step(command)
+        self._commands.append(command)
         obs = clean_text(self._state["feedback"].strip())
         won = bool(self._state["won"])
         self._done = won
@@ -207,6 +212,26 @@ class ALFWorldEnv(gym.Env[str, str]):
             "action_valid": action_valid,
             "gamefile": str(self._loaded),
         }
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ALFWorldEnv:
+        """A snapshot of this episode (what ``copy.deepcopy`` and the ground-truth replays use).
+
+        The engine holds the PDDL planner behind a C pointer, which cannot be copied; the game is
+        deterministic given its file and the expert's seeded stream, so the copy is a fresh env on the
+        same task that replays this episode's commands. The copy's state is checked against this one's.
+        """
+        clone = ALFWorldEnv(**self._init_kwargs)
+        clone.spec = self.spec
+        memo[id(self)] = clone
+        if self._state is None:
+            return clone
+        clone.reset(options={"task_index": self._index})
+        for command in self._commands:
+            clone.step(command)
+        if (clone._state["feedback"], clone._state["won"], clone._done) != (self._state["feedback"], self._state["won"], self._done):
+            raise RuntimeError(f"ALFWorld task {self._index}: replaying {len(self._commands)} commands did not restore the "
+                               "episode's state (a nondeterministic engine?)")
+        return clone
 
     def expert_action(self) -> str:
         """ALFWorld's handcoded expert's next command (always admissible; "look" when it has none)."""

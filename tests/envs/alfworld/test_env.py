@@ -109,6 +109,47 @@ def test_seed_determinism(cache: Path) -> None:
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("index", [0, 3])
+def test_a_snapshot_continues_exactly(cache: Path, index: int) -> None:
+    """copy.deepcopy (the ground truth's State.copy) restores the episode: a restored state continued with the
+    same seeded commands gives the same observations, and stepping the copy leaves the original alone."""
+    import numpy as np
+
+    from agentopsd.groundtruth import advance, mc_value, start
+
+    env = gym.make(ENV_ID, split="eval", source="generated", cache_dir=cache, disable_env_checker=True)
+    state = start(env, index)
+    rng = np.random.default_rng(index)
+    for _ in range(5):
+        advance(state, state.admissible[rng.integers(len(state.admissible))])
+    snap = state.copy()
+    tail = [str(rng.choice(sorted(state.admissible))) for _ in range(6)]  # admissible now; later ones may answer INVALID
+    played = [advance(state, a).observation for a in tail]
+    assert [advance(snap.copy(), a).observation for a in tail[:1]] == played[:1]
+    restored = snap.copy()
+    assert [advance(restored, a).observation for a in tail] == played
+    assert snap.turn == 5 and snap.history == state.history[:5]  # the snapshot itself was not stepped
+    # the Monte Carlo value of the snapshot under ALFWorld's own expert: it wins from there, every time
+    expert = lambda states: [(s.env.unwrapped.expert_action(), "") for s in states]  # noqa: E731
+    assert mc_value(snap, expert, samples=2, max_turns=50) == 1.0
+    env.close()
+
+
+def test_the_expert_label_is_the_stored_plans_length(eval_env: ALFWorldEnv, cache: Path) -> None:
+    """The expert's remaining path from the first state is the plan length stored with the scene; one
+    expert step shortens it by one; the label never touches the state it measures."""
+    from agentopsd.groundtruth import advance, expert_remaining, start
+
+    _, info = eval_env.reset(options={"task_index": 2})
+    env = gym.make(ENV_ID, split="eval", source="generated", cache_dir=cache, disable_env_checker=True)
+    state = start(env, 2)
+    assert expert_remaining(state) == info["expert_steps"] > 1
+    assert state.turn == 0 and not state.history
+    advance(state, env.unwrapped.expert_action())
+    assert expert_remaining(state) == info["expert_steps"] - 1
+    env.close()
+
+
 def test_invalid_actions_change_nothing(eval_env: ALFWorldEnv) -> None:
     _, info = eval_env.reset(options={"task_index": 0})
     for action in ["", "   ", "go to the moon", "take everything", "go to cabinet 1 please", 42]:
