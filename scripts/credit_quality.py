@@ -79,6 +79,14 @@ def load_run(run: Path) -> tuple[dict, list[LoggedTrajectory]]:
     return cfg, trajs
 
 
+def run_env(cfg: dict):
+    """The run's env (its id, kwargs and turn limit), for replays."""
+    kwargs = dict(cfg["env"].get("kwargs") or {})
+    if "BabyAI" in cfg["env"]["id"]:
+        kwargs["compute_expert_steps"] = False  # the label measures its own paths; the reset-time one is not needed
+    return make_env(cfg["env"]["id"], int(cfg["env"]["max_turns"]), kwargs)
+
+
 def stage_of(iteration: int, last: int) -> str:
     """Thirds of the run's logged iterations: early (right after the warm start), mid, late."""
     return STAGES[min(2, (iteration - 1) * 3 // max(last, 1))]
@@ -109,7 +117,7 @@ def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTraj
     from agentopsd.skills import SkillBank
 
     max_turns = int(cfg["env"]["max_turns"])
-    env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
+    env = run_env(cfg)
     skills = cfg["env"].get("skills")
     bank = SkillBank.for_env(skills) if skills else None
     out = []
@@ -238,7 +246,7 @@ def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int,
     todo = [t for t in wanted if key[id(t)] not in saved]
     if todo:
         max_turns = int(cfg["env"]["max_turns"])
-        env = make_env(cfg["env"]["id"], max_turns, {**cfg["env"].get("kwargs", {}), "compute_expert_steps": False})
+        env = run_env(cfg)
         policy, note = warm_start_policy(run, cfg, seed=int(cfg.get("seed", 0)), iteration=iteration)
         states = [replay(env, t, max_turns) for t in todo]
         flat = [s for group in states for s in group]

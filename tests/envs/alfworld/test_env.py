@@ -150,6 +150,45 @@ def test_the_expert_label_is_the_stored_plans_length(eval_env: ALFWorldEnv, cach
     env.close()
 
 
+def test_credit_quality_command_on_a_logged_alfworld_run(cache: Path, tmp_path: Path) -> None:
+    """scripts/credit_quality.py on ALFWorld: the logged episodes replayed and labelled by the expert."""
+    import yaml
+
+    from agentopsd.callbacks.rollout_logging import write_shard
+    from agentopsd.groundtruth import advance, start
+
+    records = []
+    for index in (0, 1):
+        env = gym.make(ENV_ID, split="train", max_episode_steps=50, disable_env_checker=True)
+        state = start(env, index)
+        turns = []
+        for k, move in enumerate(["look", "inventory"]):  # two wasted turns, then the expert's plan
+            advance(state, move)
+            turns.append({"k": k, "action": move, "observation": state.observation, "valid": True, "advantage": 0.0})
+        while not state.done:
+            move = env.unwrapped.expert_action()
+            advance(state, move)
+            turns.append({"k": len(turns), "action": move, "observation": state.observation, "valid": True,
+                          "advantage": float(len(turns))})
+        records.append({"iteration": 1, "env": ENV_ID, "task_index": index, "group": index, "success": state.won,
+                        "seq_advantage": 1.0, "turns": turns})
+        env.close()
+    run = tmp_path / "grpo-s0"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"name": "grpo"}, "env": {"id": ENV_ID, "max_turns": 50}}))
+    write_shard(run / "rollouts" / "rollouts-000001.tar", records)
+    root = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "scripts/credit_quality.py", str(run), "--resamples", "50", "--out", str(tmp_path / "t")],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = (tmp_path / "t" / "table.md").read_text()
+    # the advantage is 0 on the opening turns and rises along the expert's plan: it orders nearly every pair as the
+    # expert's remaining plan does (not all: the handcoded expert's plan is not a shortest path, "look" can shorten it)
+    row = next(line for line in table.splitlines() if line.startswith("| expert | grpo | ALFWorld-v0 | early | advantage | 2 |"))
+    assert float(row.split("|")[9].split()[0]) > 0.9
+    assert "| grpo | progress |" in table and "| grpo | wasted |" in table
+
+
 def test_invalid_actions_change_nothing(eval_env: ALFWorldEnv) -> None:
     _, info = eval_env.reset(options={"task_index": 0})
     for action in ["", "   ", "go to the moon", "take everything", "go to cabinet 1 please", 42]:
