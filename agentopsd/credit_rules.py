@@ -9,12 +9,14 @@ teacher scores, which separate training runs never give:
 - ``no_prior``, ``raw_gap``, ``magnitude``: the paper's ablations (l0 = 0; q_k = sign(A) e_k, no
   accumulator; q_k = |dB_k|, no outcome sign);
 - ``stepopsd``: w_k = clip(exp(sign(A) * e_k / n_k), 1-b, 1+b), each turn scored by its own mean gap;
-- ``gigpo``: A_episode + A_step from anchor states (teacher-free; needs the whole group).
+- ``gigpo``: A_episode + A_step from anchor states (teacher-free; needs the whole group);
+- where the shard also holds each token's gap delta_t: ``token``, the paper's per-token ablation (the
+  same recursion over the trajectory's action tokens), and ``rlsd``, w_t = clip(exp(sign(A) delta_t),
+  1-b, 1+b), each as the mean of its token multipliers over the turn.
 
 Each rule's output here is the order it puts on a trajectory's turns: ``sign(A) * w_k`` for the
 multiplier rules (the turn advantage A ((1 - lam) + lam w_k) orders the turns this way for every
-lam > 0), the turn advantage itself for GiGPO. The per-token rules (the token-level accumulation,
-RLSD) need each token's gap, which the shards do not keep; they are not recomputed here.
+lam > 0; the token rules use the turn's mean w_t), the turn advantage itself for GiGPO.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from agentopsd.credit import (
     turn_multipliers,
 )
 
-RULES = ("agentopsd", "no_prior", "raw_gap", "magnitude", "stepopsd", "gigpo")
-"""The rules ``rule_orderings`` returns, the paper's method first."""
+RULES = ("agentopsd", "no_prior", "raw_gap", "magnitude", "token", "stepopsd", "rlsd", "gigpo")
+"""Every rule, the paper's method first (``token`` and ``rlsd`` only where token gaps were logged)."""
+TOKEN_RULES = ("token", "rlsd")
 MODES = {"agentopsd": "belief", "no_prior": "no_prior", "raw_gap": "raw_gap", "magnitude": "magnitude"}
 """Rule -> ``turn_multipliers`` mode."""
 
@@ -53,6 +56,8 @@ class LoggedGroup:
     """[B][K_i] tokens generated on each turn (StepOPSD's mean gap divides by them)."""
     states: Sequence[Sequence[Hashable]]
     """[B][K_i] the environment state each turn acted on (GiGPO's anchor states: equal = identical)."""
+    token_gaps: Sequence[Sequence[Sequence[float]]] | None = None
+    """[B][K_i][tokens] each action token's gap delta_t, where logged (``token`` and ``rlsd`` need them)."""
 
     def __post_init__(self) -> None:
         b = len(self.success)
@@ -62,6 +67,11 @@ class LoggedGroup:
             if not len(e) == len(n) == len(s) or len(e) == 0:
                 raise ValueError(f"trajectory {i}: evidence, tokens and states need one entry per turn (at least one), "
                                  f"got {len(e)}, {len(n)} and {len(s)}")
+        if self.token_gaps is not None:
+            if len(self.token_gaps) != b or any(len(g) != len(e) for g, e in zip(self.token_gaps, self.evidence)):
+                raise ValueError("token_gaps need one list of token gaps per turn of every trajectory")
+            if any(len(turn) == 0 for g in self.token_gaps for turn in g):
+                raise ValueError("token_gaps: every turn generated at least one token")
 
 
 def _pad(rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,4 +109,22 @@ def rule_orderings(group: LoggedGroup, *, gamma: float = 0.95, band: float = 0.2
     steps = anchor_state_groups(torch.zeros(len(success), dtype=torch.long), states, mask)
     out["gigpo"], _ = gigpo_advantages(adv, discounted_turn_returns(success, mask, gigpo_gamma), steps, mask, omega=omega)
     lengths = mask.sum(1).tolist()
-    return {rule: [out[rule][i, :k].numpy().copy() for i, k in enumerate(lengths)] for rule in RULES}
+    orders = {rule: [out[rule][i, :k].numpy().copy() for i, k in enumerate(lengths)] for rule in out}
+    if group.token_gaps is not None:
+        orders.update(_token_rules(group.token_gaps, adv, prior, sign, gamma=gamma, band=band))
+    return orders
+
+
+def _token_rules(token_gaps: Sequence[Sequence[Sequence[float]]], adv: torch.Tensor, prior: torch.Tensor, sign: torch.Tensor,
+                 *, gamma: float, band: float) -> dict[str, list[np.ndarray]]:
+    """``token`` and ``rlsd``: multipliers per action token, each turn ordered by its tokens' mean ``sign(A) w_t``."""
+    flat, tmask = _pad([[d for turn in traj for d in turn] for traj in token_gaps])  # one row per trajectory, in generation order
+    _, _, w_token = turn_multipliers(adv, flat, tmask, prior, gamma=gamma, band=band, mode="belief")
+    w_rlsd = torch.exp((sign * flat).clamp(-30.0, 30.0)).clamp(1 - band, 1 + band)
+    out: dict[str, list[np.ndarray]] = {"token": [], "rlsd": []}
+    for i, traj in enumerate(token_gaps):
+        bounds = np.cumsum([0] + [len(turn) for turn in traj])
+        for rule, w in (("token", w_token), ("rlsd", w_rlsd)):
+            row = (sign[i] * w[i]).numpy()
+            out[rule].append(np.asarray([row[a:b].mean() for a, b in zip(bounds[:-1], bounds[1:])]))
+    return out

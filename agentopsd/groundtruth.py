@@ -49,6 +49,8 @@ class LoggedTurn:
     valid: bool
     signals: Mapping[str, float]
     """The credit fields logged for this turn (a subset of ``SIGNALS``: GRPO logs only the advantage)."""
+    gaps: tuple[float, ...] | None = None
+    """Each action token's gap delta_t, where the run logged them (algorithms with a teacher view)."""
 
     @property
     def stepped(self) -> bool:
@@ -74,7 +76,8 @@ class LoggedTrajectory:
         """One rollout-shard record (``trajectory_records``) as a typed trajectory."""
         turns = tuple(
             LoggedTurn(k=int(t["k"]), action=str(t["action"]), observation=str(t["observation"]), valid=bool(t["valid"]),
-                       signals={name: float(t[name]) for name in SIGNALS if name in t})
+                       signals={name: float(t[name]) for name in SIGNALS if name in t},
+                       gaps=tuple(float(d) for d in t["gaps"]) if t.get("gaps") is not None else None)
             for t in record["turns"]
         )
         return cls(run=run, algorithm=algorithm, env_id=str(record["env"]), iteration=int(record["iteration"]),

@@ -13,12 +13,17 @@ from agentopsd.types import RolloutBatch
 
 
 def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) -> list[dict]:
-    """JSON-ready records: each turn's action, observation, B_k, dB_k, w_k and advantage.
+    """JSON-ready records: each turn's action, observation, B_k, dB_k, w_k, advantage and token gaps.
 
     ``iteration``: the iteration's number, counted like every log (iterations completed by its update).
     """
     credit = batch.credit
     turn_adv = batch.turn_advantages
+    gaps = None
+    if batch.teacher_logprobs is not None and batch.student_logprobs is not None:
+        # each action token's gap delta_t (teacher view minus student view): the per-token credit rules need them
+        gaps = (batch.teacher_logprobs.float() - batch.student_logprobs.float()).cpu()
+        action = batch.action_mask.bool().cpu()
     records = []
     row = 0
     for i, traj in enumerate(batch.trajectories):
@@ -28,6 +33,8 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
                      "informed": turn.teacher_prompt_ids != turn.prompt_ids}  # the teacher view held a skill block on this turn
             if turn_adv is not None and turn_adv.ndim == 1:
                 entry["advantage"] = float(turn_adv[row])
+            if gaps is not None and i < max_samples:
+                entry["gaps"] = gaps[row][action[row]].tolist()
             if credit and credit["turn_mask"].shape[1] > turn.index and not credit.get("token_level", False):
                 for name in ("beliefs", "revisions", "multipliers", "evidence"):
                     if credit[name].shape[1] > turn.index:

@@ -212,12 +212,15 @@ def rule_rows(cfg: dict, labelled: list, count) -> tuple[dict[int, dict[str, lis
         if len(members) != size:  # the prior and GiGPO's step groups need the whole group
             continue
         trajs = [m[0] for m in members]
+        logged_gaps = all(u.gaps for t in trajs for u in t.turns)  # runs from before the shards kept them lack them
         group = LoggedGroup(success=[t.success for t in trajs], seq_advantages=[t.seq_advantage for t in trajs],
                             evidence=[[u.signals["evidence"] for u in t.turns] for t in trajs],
-                            tokens=[[count(u) for u in t.turns] for t in trajs], states=[m[4] for m in members])
+                            tokens=[[len(u.gaps) if logged_gaps else count(u) for u in t.turns] for t in trajs],
+                            states=[m[4] for m in members],
+                            token_gaps=[[list(u.gaps) for u in t.turns] for t in trajs] if logged_gaps else None)
         orders = rule_orderings(group)
         for i, traj in enumerate(trajs):
-            out[id(traj)] = {rule: orders[rule][i].tolist() for rule in RULES}
+            out[id(traj)] = {rule: orders[rule][i].tolist() for rule in RULES if rule in orders}
             if all("multiplier" in u.signals for u in traj.turns):
                 logged = np.sign(traj.seq_advantage) * np.asarray([u.signals["multiplier"] for u in traj.turns])
                 worst = max(worst, float(np.max(np.abs(logged - orders["agentopsd"][i]))))
@@ -276,11 +279,14 @@ def rules_table(rule_cells: dict, args: argparse.Namespace) -> list[dict]:
     rows = []
     for (truth, level, stage), items in sorted(rule_cells.items(), key=lambda kv: (kv[0][0], kv[0][1], stage_key(kv[0][2]))):
         margin = args.margin if truth == "expert" else args.mc_margin
-        runs = [run for run, _, _ in items]
-        tru = [t for _, _, t in items]
-        paper = [orders["agentopsd"] for _, orders, _ in items]
         for rule in RULES:
-            sig = [orders[rule] for _, orders, _ in items]
+            have = [item for item in items if rule in item[1]]  # the token rules: only where token gaps were logged
+            if not have:
+                continue
+            runs = [run for run, _, _ in have]
+            tru = [t for _, _, t in have]
+            paper = [orders["agentopsd"] for _, orders, _ in have]
+            sig = [orders[rule] for _, orders, _ in have]
             q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
             accs = [(run, pairwise_accuracy(s_, t_, margin)) for run, s_, t_ in zip(runs, sig, tru)]
             by_run_acc = cluster_bootstrap_mean([a[0] for _, a in accs if a], [run for run, a in accs if a],
@@ -414,10 +420,11 @@ def main() -> None:
                   "on each whole logged task group, every turn-level rule recomputed from the logged evidence, outcomes and "
                   "A_seq (`agentopsd.credit_rules`): the paper's method, its ablations without the prior, without the "
                   "accumulator (`raw_gap`) and without the outcome sign (`magnitude`), StepOPSD (each turn's own mean gap; "
-                  "tokens re-counted from the logged action) and GiGPO (anchor states from the replayed observations). "
+                  "tokens counted from the logged token gaps, or re-counted from the logged action where a run predates "
+                  "them) and GiGPO (anchor states from the replayed observations); where the shards hold each token's gap, "
+                  "also the per-token accumulation (`token`) and RLSD, each turn ordered by its tokens' mean multiplier. "
                   "The recomputed AgentOPSD ordering sign(A) w_k matches the logged one to "
-                  f"{max(w for _, _, w in rule_runs):.1e}. The per-token rules (token-level accumulation, RLSD) need each "
-                  "token's gap, which the shards do not keep. Last two columns: AgentOPSD's pairwise accuracy minus the "
+                  f"{max(w for _, _, w in rule_runs):.1e}. Last two columns: AgentOPSD's pairwise accuracy minus the "
                   "rule's, paired per trajectory, with 95% bootstrap intervals over trajectories and over runs (whole "
                   "runs resampled). Stage `rl`: every Monte Carlo iteration after the first, pooled.", "",
                   "| " + " | ".join(rule_table[0]) + " |", "|" + "---|" * len(rule_table[0])]

@@ -54,6 +54,9 @@ def test_tiny_experiment_end_to_end(experiment, tmp_path):
     first = shards["rollouts-000001.tar"][0]
     assert first["turns"] and {"belief", "revision", "multiplier", "advantage"} <= set(first["turns"][0])
     assert all(0.0 <= t["belief"] <= 1.0 for t in first["turns"])
+    # each action token's gap is logged, and the turn's evidence is their sum
+    for turn in first["turns"]:
+        assert turn["gaps"] and turn["evidence"] == pytest.approx(sum(turn["gaps"]), abs=1e-4)
 
 
 @pytest.mark.slow

@@ -6,23 +6,53 @@ import numpy as np
 import pytest
 import torch
 
-from agentopsd.credit import grpo_advantages, turn_multipliers
+from agentopsd.credit import grpo_advantages, rlsd_token_advantages, turn_multipliers
 from agentopsd.credit_quality import cluster_bootstrap_mean, paired_accuracy_difference, pairwise_accuracy
-from agentopsd.credit_rules import RULES, LoggedGroup, rule_orderings
+from agentopsd.credit_rules import RULES, TOKEN_RULES, LoggedGroup, rule_orderings
 
 
-def _group(success, evidence, tokens=None, states=None) -> LoggedGroup:
+def _group(success, evidence, tokens=None, states=None, token_gaps=None) -> LoggedGroup:
     bits = torch.tensor([float(s) for s in success])
     adv = grpo_advantages(bits, torch.zeros(len(success), dtype=torch.long)).tolist()
     return LoggedGroup(success=success, seq_advantages=adv, evidence=evidence,
                        tokens=tokens or [[1] * len(e) for e in evidence],
-                       states=states or [[f"{i}:{k}" for k in range(len(e))] for i, e in enumerate(evidence)])
+                       states=states or [[f"{i}:{k}" for k in range(len(e))] for i, e in enumerate(evidence)],
+                       token_gaps=token_gaps)
 
 
 def test_every_rule_is_returned_per_trajectory_and_turn() -> None:
     got = rule_orderings(_group([True, False], [[0.0, 2.0, 0.0], [0.0, -1.0]]))
+    assert set(got) == set(RULES) - set(TOKEN_RULES)  # no token gaps logged: no per-token rule
+    gaps = [[[0.0], [1.5, 0.5], [0.0, 0.0]], [[0.0], [-1.0]]]
+    got = rule_orderings(_group([True, False], [[0.0, 2.0, 0.0], [0.0, -1.0]], token_gaps=gaps))
     assert set(got) == set(RULES)
     assert all([len(r) for r in got[rule]] == [3, 2] for rule in RULES)
+
+
+def test_the_token_rules_are_the_trainings_token_multipliers_averaged_over_each_turn() -> None:
+    """``token``: the recursion over the trajectory's tokens in order (one accumulator across turns);
+    ``rlsd``: clip(exp(sign(A) delta_t)) as training's RLSD computes it; each turn ordered by its tokens' mean."""
+    gaps = [[[0.2, -0.1], [1.0], [0.0, 0.3, -0.2]], [[-0.5], [0.4, 0.1]], [[0.0]]]
+    group = _group([True, False, True], [[sum(t) for t in g] for g in gaps], token_gaps=gaps)
+    got = rule_orderings(group)
+    adv = torch.tensor(group.seq_advantages, dtype=torch.float64)
+    flat = [[d for t in g for d in t] for g in gaps]
+    width = max(map(len, flat))
+    delta = torch.zeros(3, width, dtype=torch.float64)
+    mask = torch.zeros(3, width, dtype=torch.bool)
+    for i, f in enumerate(flat):
+        delta[i, : len(f)] = torch.tensor(f)
+        mask[i, : len(f)] = True
+    _, _, w = turn_multipliers(adv, delta, mask, torch.full((3,), 2 / 3, dtype=torch.float64))
+    lam = 0.5
+    rlsd = rlsd_token_advantages(adv, delta, torch.zeros_like(delta), mask, lam=lam)
+    w_rlsd = (rlsd / adv[:, None] - (1 - lam)) / lam
+    for i, g in enumerate(gaps):
+        bounds = np.cumsum([0] + [len(t) for t in g])
+        spans = list(zip(bounds[:-1], bounds[1:]))
+        s = float(torch.sign(adv[i]))
+        np.testing.assert_allclose(got["token"][i], [s * w[i, a:b].mean().item() for a, b in spans])
+        np.testing.assert_allclose(got["rlsd"][i], [s * w_rlsd[i, a:b].mean().item() for a, b in spans])
 
 
 def test_the_paper_rule_is_sign_times_the_trainings_multiplier() -> None:
@@ -57,7 +87,9 @@ def test_the_decisive_turn_of_a_won_episode_ranks_first_under_the_evidence_rules
 
 def test_an_all_failed_group_orders_nothing() -> None:
     """A_seq = 0: every multiplier rule gives 0 to every turn, and GiGPO's returns are all 0: chance exactly."""
-    got = rule_orderings(_group([False, False], [[0.5, -1.0, 2.0], [0.3, 0.0]], states=[["s", "a", "b"], ["s", "c"]]))
+    got = rule_orderings(_group([False, False], [[0.5, -1.0, 2.0], [0.3, 0.0]], states=[["s", "a", "b"], ["s", "c"]],
+                                token_gaps=[[[0.5], [-1.0], [2.0]], [[0.3], [0.0]]]))
+    assert set(got) == set(RULES)
     for rule in RULES:
         for row in got[rule]:
             assert np.all(row == 0.0), rule

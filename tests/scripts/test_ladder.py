@@ -132,7 +132,8 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     match = re.search(r"matches the logged one to ([0-9.e+-]+)\.", text)
     assert match and float(match.group(1)) < 1e-3
     rules = (out / "rules.csv").read_text().splitlines()
-    assert rules[0].startswith("truth,env,stage,rule") and sum(",gigpo," in r for r in rules) >= 1
+    assert rules[0].startswith("truth,env,stage,rule")
+    assert all(sum(f",{rule}," in r for r in rules) >= 1 for rule in ("gigpo", "stepopsd", "token", "rlsd", "magnitude"))
     # the Monte Carlo truth: computed once, kept beside the run, read back by the next invocation
     mc_cmd = [sys.executable, "scripts/credit_quality.py", str(tmp_path / "runs" / "KeyDoorBoxS5-agentopsd-s0"), "--resamples", "50",
               "--mc-samples", "2", "--mc-iterations", "1", "--mc-every"]
