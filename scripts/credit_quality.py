@@ -111,24 +111,36 @@ def anchor_states(observations: list[str]) -> list[str]:
     return out
 
 
-def label_run(cfg: dict, trajs: list[LoggedTrajectory]) -> list[tuple[LoggedTrajectory, list[float], list[str], list[str], list[str]]]:
+def label_run(cfg: dict, trajs: list[LoggedTrajectory], run: Path | None = None,
+              ) -> list[tuple[LoggedTrajectory, list[float], list[str], list[str], list[str]]]:
     """Per trajectory: the expert gain and label of every turn, the turn's kind (``turn_kind``) and the
-    environment state it acted on (``anchor_states``)."""
+    environment state it acted on (``anchor_states``). With ``run``, the expert's paths (the costly part)
+    are kept in ``run/groundtruth/expert.json`` and read back."""
     from agentopsd.skills import SkillBank
 
     max_turns = int(cfg["env"]["max_turns"])
     env = run_env(cfg)
     skills = cfg["env"].get("skills")
     bank = SkillBank.for_env(skills) if skills else None
+    cache = run / "groundtruth" / "expert.json" if run is not None else None
+    saved: dict[str, list[int]] = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    fresh = False
     out = []
-    for traj in trajs:
+    for n, traj in enumerate(trajs):
         states = replay(env, traj, max_turns)
-        path = expert_path(states)
+        key = f"{traj.iteration}:{n}:{traj.task_index}:{len(traj.turns)}"
+        if key not in saved:
+            saved[key], fresh = expert_path(states), True
+        path = saved[key]
         pairs = list(zip(path[:-1], path[1:]))
         kinds = [turn_kind(bank, s.observation) for s in states[:-1]]
         out.append((traj, [expert_gain(b, a) for b, a in pairs], [expert_label(b, a) for b, a in pairs], kinds,
                     anchor_states([s.observation for s in states[:-1]])))
     env.close()
+    if cache is not None and fresh:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.with_suffix(".tmp").write_text(json.dumps(saved))
+        cache.with_suffix(".tmp").replace(cache)
     return out
 
 
@@ -342,7 +354,7 @@ def main() -> None:
             got = mc_truths(run, cfg, trajs, args.mc_samples, it, every=args.mc_every)
             mc.update(got)
             mc_iteration.update({key: it for key in got})
-        labelled = label_run(cfg, trajs)
+        labelled = label_run(cfg, trajs, run)
         count = None if args.no_rules else token_counter(run, cfg)
         rules, worst = rule_rows(cfg, labelled, count) if count is not None else ({}, 0.0)
         if rules:

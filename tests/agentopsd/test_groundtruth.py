@@ -241,3 +241,8 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
     assert "| expert | agentopsd | BabyAI-PickupObj-v0 | early | uniform | 4 | 0.000 [0.000, 0.000]" in table
     assert "| 0.500 [0.500, 0.500] |" in table and "| evidence |" in table
     assert (out / "table.csv").read_text().startswith("truth,algorithm,env,stage,signal")
+    # the expert's paths are kept beside the run (one per trajectory: before each turn, and after the last)
+    import json
+
+    saved = json.loads((run / "groundtruth" / "expert.json").read_text())
+    assert len(saved) == 4 and all(len(path) == int(key.split(":")[-1]) + 1 for key, path in saved.items())
