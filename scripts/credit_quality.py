@@ -208,10 +208,14 @@ def token_counter(run: Path, cfg: dict):
     return count
 
 
-def rule_rows(cfg: dict, labelled: list, count) -> tuple[dict[int, dict[str, list]], float]:
+def rule_rows(cfg: dict, labelled: list, make_counter) -> tuple[dict[int, dict[str, list]], float]:
     """Every credit rule recomputed on the run's whole logged groups (``credit_rules``): id(traj) -> rule ->
     the turn ordering, and the largest gap between the recomputed AgentOPSD ordering and the logged one
-    (sign(A) * w_k; a fidelity check: the rules see what training saw)."""
+    (sign(A) * w_k; a fidelity check: the rules see what training saw).
+
+    Turn token counts come from the logged token gaps, or, for runs that predate them, from
+    ``make_counter()`` (``token_counter``; built once, when first needed; groups it cannot count are skipped)."""
+    counter: list = []
     size = int(cfg.get("data", {}).get("group_size", 0))
     groups: dict[tuple[int, int], list] = defaultdict(list)
     for item in labelled:
@@ -225,6 +229,12 @@ def rule_rows(cfg: dict, labelled: list, count) -> tuple[dict[int, dict[str, lis
             continue
         trajs = [m[0] for m in members]
         logged_gaps = all(u.gaps for t in trajs for u in t.turns)  # runs from before the shards kept them lack them
+        if not logged_gaps:
+            if not counter:
+                counter.append(make_counter())
+            if counter[0] is None:
+                continue
+        count = counter[0] if not logged_gaps else None
         group = LoggedGroup(success=[t.success for t in trajs], seq_advantages=[t.seq_advantage for t in trajs],
                             evidence=[[u.signals["evidence"] for u in t.turns] for t in trajs],
                             tokens=[[len(u.gaps) if logged_gaps else count(u) for u in t.turns] for t in trajs],
@@ -355,8 +365,7 @@ def main() -> None:
             mc.update(got)
             mc_iteration.update({key: it for key in got})
         labelled = label_run(cfg, trajs, run)
-        count = None if args.no_rules else token_counter(run, cfg)
-        rules, worst = rule_rows(cfg, labelled, count) if count is not None else ({}, 0.0)
+        rules, worst = ({}, 0.0) if args.no_rules else rule_rows(cfg, labelled, lambda run=run, cfg=cfg: token_counter(run, cfg))
         if rules:
             rule_runs.append((run.name, len(rules), worst))
         for traj, gains, labels, kinds, _ in labelled:
