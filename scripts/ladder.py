@@ -12,7 +12,7 @@ episode per task at temperature 1 (the smooth measure: greedy success of a small
 be all or nothing). The warm start's own evaluation is made once per (rung, seed).
 Rows of runs.csv carry the commit they ran on.
 
-Resumable: a finished run is read back; a run cut short goes on from its last checkpoint when the
+Resumable: a finished run is read back (from its folder, or from runs.csv when the folder is gone); a run cut short goes on from its last checkpoint when the
 code is the same commit (else it starts over from the shared warm start). The code trained is the
 commit checked out, exported once with ``git archive``: edits to the working tree while the grid
 runs cannot leak into it. After every run ``runs.csv`` and ``table.md`` (means with 95% bootstrap
@@ -362,8 +362,11 @@ def main(argv: list[str] | None = None) -> None:
         commit += "+worktree"
         identity = commit  # uncommitted edits: resume only within this invocation's own runs
     # rows of runs made earlier (other rungs, seeds or methods) stay in the table
-    keep = [r for r in read_rows(args.out) if (r["level"], r["method"], r["seed"]) not in
+    earlier = read_rows(args.out)
+    keep = [r for r in earlier if (r["level"], r["method"], r["seed"]) not in
             {(lv, m, s) for lv in args.levels for m in args.methods for s in seeds}]
+    # a finished run whose folder is gone (a fresh checkout: run folders are not committed) stands as recorded
+    recorded = {(r["level"], r["method"], r["seed"]): r for r in earlier if r["iterations"] == args.iterations}
     rows: list[dict] = list(keep)
     failures: list[str] = []
     lock = threading.Lock()
@@ -376,6 +379,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def one(job: tuple[str, str, int]) -> None:
         lv, m, s = job
+        if (lv, m, s) in recorded and not (args.out / "runs" / f"{lv}-{m}-s{s}").exists():
+            with lock:
+                rows.append(recorded[(lv, m, s)])
+            return
         try:
             with seed_locks[s]:  # the first run of a seed makes its warm start, the others wait
                 warm_weights(args.out, code, args.levels, s, args.overrides)

@@ -121,6 +121,16 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and "greedy" in again.stdout
     assert not list((tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "csv").glob("version_1"))  # nothing retrained
+    # a fresh checkout has runs.csv but no run folders: the recorded runs stand, nothing trains, no warm start is made
+    for name in ("runs", "warm"):
+        os.rename(tmp_path / name, tmp_path / f"{name}-kept")
+    fresh = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "warm").exists()
+    assert "| agentopsd |" in (tmp_path / "table.md").read_text()
+    assert len((tmp_path / "runs.csv").read_text().strip().splitlines()) == 3  # header and the two runs
+    for name in ("runs", "warm"):
+        os.rename(tmp_path / f"{name}-kept", tmp_path / name)
     # the credit-quality command on the grid's AgentOPSD run: every rule recomputed on its logged groups,
     # the paper's rule matching what training logged
     out = tmp_path / "cq"
