@@ -16,7 +16,7 @@ Resumable: a finished run is read back (from its folder, or from runs.csv when t
 code is the same commit (else it starts over from the shared warm start). The code trained is the
 commit checked out, exported once with ``git archive``: edits to the working tree while the grid
 runs cannot leak into it. After every run ``runs.csv`` and ``table.md`` (means with 95% bootstrap
-intervals over seeds, paired differences to GRPO, the horizon slope per method) and ``horizon.png``
+intervals over seeds, paired differences to GRPO and horizon slopes with t intervals) and ``horizon.png``
 are rewritten under ``--out``.
 """
 
@@ -184,6 +184,37 @@ def bootstrap(stat, samples: list, draws: int = 5000, seed: int = 0, level: floa
     return point, vals[int(tail * len(vals))], vals[min(len(vals) - 1, int((1 - tail) * len(vals)))]
 
 
+# Student t 0.975 quantiles for 1-30 degrees of freedom (beyond, the Cornish-Fisher expansion below is within 1e-4)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def t_interval(samples: list[float], bounds: tuple[float, float] | None = None) -> tuple[float, float, float]:
+    """Mean and its 95% Student t interval over seeds. Used for paired differences and slopes, which may take any
+    sign: with 4 seeds a percentile bootstrap's interval is about as narrow as the seeds' range and covers far
+    less than 95%; the t interval is honest at small n (success rates keep the bootstrap, which stays in 0-100).
+    ``bounds``: the range the mean can take (a difference of two rates: -1 to 1); the interval is cut to it, which
+    keeps its coverage (the true mean is inside the bounds) and keeps it readable."""
+    vals = [v for v in samples if v == v]
+    if not vals:
+        return (float("nan"),) * 3
+    mean = statistics.fmean(vals)
+    if len(vals) < 2:
+        return mean, float("nan"), float("nan")
+    half = t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / len(vals) ** 0.5
+    lo, hi = mean - half, mean + half
+    if bounds is not None:
+        lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    return mean, lo, hi
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys on xs (NaN with fewer than two distinct xs)."""
     if len(set(xs)) < 2:
@@ -192,10 +223,10 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def horizon_means(by_seed: dict[int, dict[str, float]], levels: list[str]) -> list[float]:
-    """Per rung, the mean over these seeds (a seed missing a rung is left out of that rung's mean)."""
-    return [statistics.fmean(v[lv] for v in by_seed.values() if lv in v) if any(lv in v for v in by_seed.values()) else float("nan")
-            for lv in levels]
+def seed_slopes(by_seed: dict[int, dict[str, float]], levels: list[str], horizon: dict[str, float]) -> tuple[float, float, float]:
+    """The horizon slope per seed (seeds with every rung), mean and 95% t interval over seeds."""
+    xs = [horizon[lv] for lv in levels]
+    return t_interval([slope(xs, [v[lv] for lv in levels]) for v in by_seed.values() if all(lv in v for lv in levels)])
 
 
 def _fmt(est: tuple[float, float, float], scale: float = 100.0, digits: int = 1) -> str:
@@ -215,7 +246,7 @@ def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str)
              + ", ".join(f"{lv} {horizon[lv]:.1f}" for lv in levels), ""]
     for measure, title in (("sampled", "Success at temperature 1 (one episode per evaluation task)"), ("greedy", "Greedy success")):
         lines += [f"## {title}, % after RL: mean [95% bootstrap interval over seeds] (seeds)", "",
-                  "| method | " + " | ".join(levels) + " | slope, points per extra turn |", "|---" * (len(levels) + 2) + "|"]
+                  "| method | " + " | ".join(levels) + " | slope, points per extra turn [95% t interval] |", "|---" * (len(levels) + 2) + "|"]
         warm = {lv: [r[f"{measure}_before"] for r in rows if r["level"] == lv and r["method"] == methods[0]] for lv in levels}
         lines.append("| warm start | " + " | ".join(_fmt(bootstrap(statistics.fmean, warm[lv])) + f" ({len(warm[lv])})" if warm[lv] else ""
                                                    for lv in levels) + " | |")
@@ -228,12 +259,9 @@ def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str)
             for lv in levels:
                 vals = [v[lv] for v in by_seed.values() if lv in v]
                 cells.append(_fmt(bootstrap(statistics.fmean, vals)) + f" ({len(vals)})" if vals else "")
-            xs = [horizon[lv] for lv in levels]
-            seeds = [s for s, v in by_seed.items() if all(lv in v for lv in levels)]
-            sl = bootstrap(lambda ss, xs=xs, d=by_seed: slope(xs, horizon_means({s: d[s] for s in ss}, levels)), seeds) if seeds else (float("nan"),) * 3
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(sl, digits=2)} |")
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(seed_slopes(by_seed, levels, horizon), digits=2)} |")
         lines += ["", f"Paired difference to GRPO ({measure}, points): per seed the method's success minus GRPO's on the "
-                      "same warm start and task stream; mean [95% bootstrap interval] (pairs).", "",
+                      "same warm start and task stream; mean [95% t interval] (pairs).", "",
                   "| method | " + " | ".join(levels) + " | slope difference |", "|---" * (len(levels) + 2) + "|"]
         for m in methods:
             if m == "grpo":
@@ -245,11 +273,8 @@ def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str)
                          for (l2, mm, s) in cell if l2 == lv and mm == m and (lv, "grpo", s) in cell}
                 for s, d in diffs.items():
                     diffs_by_seed.setdefault(s, {})[lv] = d
-                cells.append(_fmt(bootstrap(statistics.fmean, list(diffs.values()))) + f" ({len(diffs)})" if diffs else "")
-            xs = [horizon[lv] for lv in levels]
-            seeds = [s for s, v in diffs_by_seed.items() if all(lv in v for lv in levels)]
-            sl = bootstrap(lambda ss, xs=xs, d=diffs_by_seed: slope(xs, horizon_means({s: d[s] for s in ss}, levels)), seeds) if seeds else (float("nan"),) * 3
-            lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(sl, digits=2)} |")
+                cells.append(_fmt(t_interval(list(diffs.values()), bounds=(-1.0, 1.0))) + f" ({len(diffs)})" if diffs else "")
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(seed_slopes(diffs_by_seed, levels, horizon), digits=2)} |")
         lines.append("")
     lines += ["## Per run", "", "| rung | method | seed | greedy before → after | sampled before → after | train success | "
               "evidence-outcome corr | wall s |", "|---|---|---|---|---|---|---|---|"]

@@ -40,6 +40,21 @@ def test_bootstrap_intervals_of_success_rates_stay_inside_0_and_1(ladder) -> Non
     assert p == 0.3 and lo != lo
 
 
+def test_t_interval_matches_the_textbook_and_is_wider_than_the_bootstrap_at_four_seeds(ladder) -> None:
+    import statistics
+
+    mean, lo, hi = ladder.t_interval([1.0, 2.0, 3.0, 4.0, 5.0])  # se = 0.7071, t(4) = 2.776
+    assert mean == 3.0 and lo == pytest.approx(3 - 2.776 * 0.70711, abs=1e-4) and hi == pytest.approx(3 + 2.776 * 0.70711, abs=1e-4)
+    assert ladder.t_quantile_975(31) == pytest.approx(2.0395, abs=2e-4) and ladder.t_quantile_975(120) == pytest.approx(1.9799, abs=2e-4)
+    four = [0.355, 0.176, 0.035, 0.328]
+    _, blo, bhi = ladder.bootstrap(statistics.fmean, four)
+    _, tlo, thi = ladder.t_interval(four)
+    assert tlo < blo and thi > bhi
+    assert ladder.t_interval([0.2])[1] != ladder.t_interval([0.2])[1]  # one pair: no interval
+    # a difference of two rates lies in [-1, 1]: two far-apart pairs give a t interval past it, cut to it
+    assert ladder.t_interval([0.297, 0.023], bounds=(-1.0, 1.0))[1:] == (-1.0, 1.0)
+
+
 def _rows(effect: float) -> list[dict]:
     """10 seeds x 2 rungs x {grpo, agentopsd}; agentopsd = grpo + effect at every seed (plus seed noise shared by both)."""
     rows = []
