@@ -12,8 +12,9 @@ episode per task at temperature 1 (the smooth measure: greedy success of a small
 be all or nothing). The warm start's own evaluation is made once per (rung, seed).
 Rows of runs.csv carry the commit they ran on.
 
-Resumable: a finished run is read back (from its folder, or from runs.csv when the folder is gone); a run cut short goes on from its last checkpoint when the
-code is the same commit (else it starts over from the shared warm start). The code trained is the
+Resumable: a finished run is read back (from its folder, or from runs.csv when the folder is gone);
+a run cut short goes on from its last checkpoint when the code is the same commit (else it starts
+over from the shared warm start). The code trained is the
 commit checked out, exported once with ``git archive``: edits to the working tree while the grid
 runs cannot leak into it. After every run ``runs.csv`` and ``table.md`` (means with 95% bootstrap
 intervals over seeds, paired differences to GRPO and horizon slopes with t intervals) and ``horizon.png``
@@ -190,6 +191,7 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 def t_quantile_975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (scipy is not a dependency)."""
     if df <= len(_T975):
         return _T975[df - 1]
     z = 1.959964
