@@ -101,12 +101,19 @@ def warm_weights(out: Path, code: Path, levels: list[str], seed: int, overrides:
     return weights
 
 
+def file_digest(path: Path) -> str:
+    """A file's sha256, first 12 hex digits: which warm start a run started from (a pair must share it)."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
 def before(out: Path, code: Path, commit: str, level: str, levels: list[str], seed: int, overrides: list[str]) -> dict:
     """The shared warm start evaluated on one rung (greedy and sampled), once per (rung, seed)."""
     path = out / "warm" / f"s{seed}" / f"before-{level}.json"
-    if path.exists():
-        return json.loads(path.read_text())
     weights = warm_weights(out, code, levels, seed, overrides)
+    if path.exists():
+        done = json.loads(path.read_text())
+        if done.get("warm", file_digest(weights)) == file_digest(weights):  # else the warm start was made again
+            return done
     warm_level = max(levels, key=lambda lv: LEVELS[lv])
     run_dir = out / "runs" / f"{level}-before-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -117,7 +124,7 @@ def before(out: Path, code: Path, commit: str, level: str, levels: list[str], se
     row = evals(log_rows(run_dir)).get(0)
     if rc != 0 or row is None:
         raise RuntimeError(f"warm start evaluation {level} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
-    path.write_text(json.dumps({"commit": commit, **row}))
+    path.write_text(json.dumps({"commit": commit, "warm": file_digest(weights), **row}))
     return row
 
 
@@ -138,7 +145,8 @@ def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], m
     if iterations not in evals(log_rows(run_dir)):
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         last = run_dir / "checkpoints" / "last.ckpt"
-        resume = last.exists() and meta.get("code", meta.get("commit")) == (identity or commit)
+        resume = (last.exists() and meta.get("code", meta.get("commit")) == (identity or commit)
+                  and meta.get("warm", file_digest(weights)) == file_digest(weights))
         if not resume:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
@@ -147,7 +155,7 @@ def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], m
                  *shared(warm_level), *overrides]
         start = time.monotonic()
         rc = _train(code, run_dir, level, method, seed, iterations, extra + ([f"ckpt_path={last}"] if resume else []))
-        meta = {"commit": commit, "code": identity or commit, "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
+        meta = {"commit": commit, "code": identity or commit, "warm": file_digest(weights), "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
         meta_path.write_text(json.dumps(meta))
         if rc != 0 or iterations not in evals(log_rows(run_dir)):
             raise RuntimeError(f"{level} {method} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
@@ -161,6 +169,7 @@ def run_row(out: Path, level: str, method: str, seed: int, iterations: int) -> d
     before = json.loads((out / "warm" / f"s{seed}" / f"before-{level}.json").read_text())
     meta = json.loads((run_dir / "meta.json").read_text())
     row = {"level": level, "method": method, "seed": seed, "iterations": iterations, "commit": meta["commit"],
+           "warm": meta.get("warm", ""),
            "greedy_before": before["eval/success"], "sampled_before": before.get("eval/sampled/success", float("nan")),
            "greedy_after": after["eval/success"], "sampled_after": after.get("eval/sampled/success", float("nan")),
            "wall_s": round(meta["wall_s"], 1), "resumed": meta["resumed"]}
@@ -238,6 +247,13 @@ def _fmt(est: tuple[float, float, float], scale: float = 100.0, digits: int = 1)
     return f"{scale * p:.{digits}f} [{scale * lo:.{digits}f}, {scale * hi:.{digits}f}]" if lo == lo else f"{scale * p:.{digits}f}"
 
 
+def paired(a: dict, b: dict) -> bool:
+    """Two runs of one rung and seed form a pair when they started from the same warm start: equal digests (rows
+    recorded before the digest was, all empty, shared one warm folder; a warm start made again on another machine
+    is not bitwise the same, so an empty digest never pairs with a recorded one)."""
+    return a.get("warm", "") == b.get("warm", "")
+
+
 def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str) -> str:
     levels = sorted({r["level"] for r in rows}, key=lambda lv: horizon[lv])
     methods = [m for m in dict.fromkeys([*METHODS, *(r["method"] for r in rows)]) if any(r["method"] == m for r in rows)]
@@ -272,7 +288,8 @@ def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str)
             diffs_by_seed: dict[int, dict[str, float]] = {}
             for lv in levels:
                 diffs = {s: cell[(lv, m, s)][f"{measure}_after"] - cell[(lv, "grpo", s)][f"{measure}_after"]
-                         for (l2, mm, s) in cell if l2 == lv and mm == m and (lv, "grpo", s) in cell}
+                         for (l2, mm, s) in cell if l2 == lv and mm == m and (lv, "grpo", s) in cell
+                         and paired(cell[(lv, m, s)], cell[(lv, "grpo", s)])}
                 for s, d in diffs.items():
                     diffs_by_seed.setdefault(s, {})[lv] = d
                 cells.append(_fmt(t_interval(list(diffs.values()), bounds=(-1.0, 1.0))) + f" ({len(diffs)})" if diffs else "")
@@ -356,7 +373,7 @@ def read_rows(out: Path) -> list[dict]:
         rows = list(csv.DictReader(f))
     for r in rows:
         for k, v in r.items():
-            if k not in ("level", "method", "commit"):
+            if k not in ("level", "method", "commit", "warm"):
                 r[k] = float(v) if v not in ("", None) else float("nan")
         r["seed"], r["iterations"] = int(r["seed"]), int(r["iterations"])
     return rows

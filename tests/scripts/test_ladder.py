@@ -81,6 +81,17 @@ def test_paired_difference_and_slope_tables(ladder) -> None:
     assert "| warm start |" in text and "Paired difference to GRPO" in text
 
 
+def test_runs_from_different_warm_starts_are_not_paired(ladder) -> None:
+    rows = _rows(0.1)
+    for r in rows:  # every run records its warm start's digest; seed 3's AgentOPSD ran from a warm start made again
+        r["warm"] = "w3b" if (r["seed"], r["method"]) == (3, "agentopsd") else f"w{r['seed']}"
+    text = ladder.build_tables(rows, {"KeyDoorBoxS5": 20.0, "KeyDoorBoxS9": 35.0}, "cmd")
+    diff = next(line for line in text.splitlines() if line.startswith("| agentopsd |") and "10.0 [10.0, 10.0]" in line)
+    assert diff.count("(9)") == 2  # the mismatched seed drops out of both rungs' pairs
+    legacy = [{**r, "warm": ""} if r["method"] == "grpo" else r for r in rows]  # digest not recorded: no pair
+    assert not ladder.paired(legacy[0], legacy[1]) and ladder.paired({"warm": ""}, {})
+
+
 def test_rows_round_trip_through_runs_csv(ladder, tmp_path) -> None:
     rows = _rows(0.0)
     (tmp_path / "horizon.json").write_text(json.dumps({"KeyDoorBoxS5": 20.0, "KeyDoorBoxS9": 35.0}))
