@@ -79,20 +79,37 @@ def whole_model_action_logits(model: nn.Module, ids: Tensor, attn: Tensor, sourc
     A sharded model must be called whole (its root gathers embeddings and head only then), which
     would run the LM head at every position: for 4 rows x 2,560 tokens of Qwen2.5-7B that is 6 GB of
     logits and gradients where the action positions need 1.2 GB. transformers' ``logits_to_keep``
-    with a boolean mask runs the head at the marked positions only.
+    with a boolean mask runs the head at the marked positions only. Versions before it (those vLLM
+    pins) get the same from a pre-hook on the head that hands it the marked positions' hidden states
+    (running the head everywhere made a one-iteration CPU rehearsal take over 25 min).
     """
-    if _logits_to_keep_takes_masks(model):
+    form = _logits_to_keep_form(model)
+    if form == "mask":
         return model(input_ids=ids, attention_mask=attn, logits_to_keep=source).logits
-    return model(input_ids=ids, attention_mask=attn).logits[source]
+    head = model.get_output_embeddings() if form == "hook" else None
+    if head is None:
+        return model(input_ids=ids, attention_mask=attn).logits[source]
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0][source], *args[1:]))
+    try:
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    finally:
+        handle.remove()
+    if logits.shape[:-1] != (int(source.sum()),):  # a model that reshapes its head's output
+        raise RuntimeError(f"{type(model).__name__}: the LM head's pre-hook gave logits {tuple(logits.shape)}; "
+                           "upgrade transformers (>=5.20: logits_to_keep takes a boolean mask)")
+    return logits
 
 
-def _logits_to_keep_takes_masks(model: nn.Module) -> bool:
+def _logits_to_keep_form(model: nn.Module) -> str:
+    """How the head can be limited to the action positions: ``mask`` (``logits_to_keep`` takes a boolean [B, T]
+    mask), ``hook`` (a pre-hook on the output embeddings selects them) or ``none`` (the head runs everywhere)."""
     import inspect
 
     import transformers.modeling_utils as mu
 
-    # the boolean-mask form arrived with slice_logits_to_keep; older versions take an int only
-    return hasattr(mu, "slice_logits_to_keep") and "logits_to_keep" in inspect.signature(model.forward).parameters
+    if hasattr(mu, "slice_logits_to_keep") and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return "mask"  # the boolean-mask form arrived with slice_logits_to_keep
+    return "hook" if callable(getattr(model, "get_output_embeddings", None)) else "none"
 
 
 class AgentRLModule(L.LightningModule):

@@ -74,16 +74,21 @@ def test_one_process_trains_at_half_precision(precision, tmp_path):
     assert float(rows[0]["loss/first_ratio_dev"]) < 0.05
 
 
-def test_whole_model_call_runs_the_head_at_action_positions_only():
+@pytest.mark.parametrize("form", ["mask", "hook", "none"])
+def test_whole_model_call_runs_the_head_at_action_positions_only(form, monkeypatch):
+    """Every transformers version gets the same logits; the head runs at the action positions (``mask``), at the
+    same positions picked by a pre-hook on the head (``hook``: versions before the boolean-mask form), or everywhere."""
     import transformers
 
-    from agentopsd.module import _logits_to_keep_takes_masks, whole_model_action_logits
+    import agentopsd.module as module
+    from agentopsd.module import _logits_to_keep_form, whole_model_action_logits
 
     config = transformers.Qwen2Config(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=64)
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).eval()
-    assert _logits_to_keep_takes_masks(model)
+    assert _logits_to_keep_form(model) == "mask"  # the installed transformers
+    monkeypatch.setattr(module, "_logits_to_keep_form", lambda m: form)
     ids = torch.randint(0, 97, (3, 9))
     attn = torch.ones_like(ids)
     attn[2, 6:] = 0  # a right-padded row
@@ -95,4 +100,5 @@ def test_whole_model_call_runs_the_head_at_action_positions_only():
         picked = whole_model_action_logits(model, ids, attn, source)
         full = model(input_ids=ids, attention_mask=attn).logits[source]
     assert torch.allclose(picked, full, atol=1e-5)
-    assert calls[0][-2] == int(source.sum())  # the head saw the 10 action positions, not 27
+    # the head saw the 10 action positions (mask, hook), or all 27
+    assert calls[0].numel() // 32 == {"mask": 10, "hook": 10, "none": 27}[form]
