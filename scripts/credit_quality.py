@@ -66,12 +66,13 @@ def run_config(run: Path) -> dict:
 
 def load_run(run: Path) -> tuple[dict, list[LoggedTrajectory]]:
     cfg = run_config(run)
-    shards = sorted((run / "rollouts").glob("rollouts-*.tar"))
+    # a run folder holds rollouts-*.tar; an archived run (scripts/ladder.py's credit_data/) the same shards xz-compressed
+    shards = sorted((run / "rollouts").glob("rollouts-*.tar")) or sorted((run / "rollouts").glob("rollouts-*.tar.xz"))
     if not shards:
-        raise SystemExit(f"{run}: no rollouts/rollouts-*.tar; was the run made with the rollout logging callback?")
+        raise SystemExit(f"{run}: no rollouts/rollouts-*.tar(.xz); was the run made with the rollout logging callback?")
     trajs = []
     for shard in shards:
-        with tarfile.open(shard) as tar:
+        with tarfile.open(shard) as tar:  # mode "r": plain or compressed, whichever the file is
             for member in tar.getmembers():
                 if member.name.endswith(".json"):
                     rec = json.loads(tar.extractfile(member).read())
@@ -282,6 +283,7 @@ def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int,
             v = values[at:at + len(group)]
             at += len(group)
             saved[key[id(traj)]] = [after - before for before, after in zip(v[:-1], v[1:])]
+    if todo or not cache.is_file():  # also when nothing was wanted: the file says this truth was made
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(".tmp")
         tmp.write_text(json.dumps(saved))

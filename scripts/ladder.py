@@ -19,6 +19,13 @@ commit checked out, exported once with ``git archive``: edits to the working tre
 runs cannot leak into it. After every run ``runs.csv`` and ``table.md`` (means with 95% bootstrap
 intervals over seeds, paired differences to GRPO and horizon slopes with t intervals) and ``horizon.png``
 are rewritten under ``--out``.
+
+Credit data: each finished AgentOPSD run is archived under ``--out/credit_data/<run>`` (its config, its rollout
+shards xz-compressed, and its ground truth: the expert's paths and the Monte Carlo truth of the first and the
+midway iteration, computed right away while the run's kept policies exist). The archives are committed, so the
+credit-quality table over the whole grid is one command in any later sitting:
+
+    python scripts/credit_quality.py results/ladder/credit_data/* --mc-samples 8 --mc-iterations 1 9 --out results/ladder/credit_quality/grid
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ METHODS = ["grpo", "agentopsd", "stepopsd", "gigpo"]
 ITERATIONS = 16
 CODE_PATHS = ("agentopsd", "envs", "callbacks", "conf", "train.py", "pyproject.toml")
 """The trained code (agentopsd/envs, /callbacks and /conf link to the top-level folders)."""
+CREDIT_METHODS = ("agentopsd",)
+"""Methods whose runs ``credit_archive`` keeps: AgentOPSD's shards log the evidence every credit rule is recomputed from."""
 DIAGNOSTICS = ["rollout/success", "credit/evidence_outcome_corr", "credit/mean_abs_revision", "credit/evidence_mean"]
 
 
@@ -153,13 +162,67 @@ def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], m
             meta = {}
         extra = ["evaluation.before_training=false", "checkpoint.keep_policies=true", f"warm_start.weights={weights}",
                  *shared(warm_level), *overrides]
+        # written before training too: a run killed together with this process (the end of a sitting) leaves
+        # checkpoints and this, and resumes next time (its wall time then misses the killed stretch)
+        meta = {"commit": commit, "code": identity or commit, "warm": file_digest(weights),
+                "wall_s": meta.get("wall_s", 0.0), "resumed": meta.get("resumed", 0) + resume}
+        _write_json(meta_path, meta)
         start = time.monotonic()
         rc = _train(code, run_dir, level, method, seed, iterations, extra + ([f"ckpt_path={last}"] if resume else []))
-        meta = {"commit": commit, "code": identity or commit, "warm": file_digest(weights), "wall_s": meta.get("wall_s", 0.0) + time.monotonic() - start, "resumed": meta.get("resumed", 0) + resume}
-        meta_path.write_text(json.dumps(meta))
+        _write_json(meta_path, {**meta, "wall_s": meta["wall_s"] + time.monotonic() - start})
         if rc != 0 or iterations not in evals(log_rows(run_dir)):
             raise RuntimeError(f"{level} {method} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
     return run_row(out, level, method, seed, iterations)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def mc_iterations(iterations: int) -> list[int]:
+    """The iterations whose trajectories get the Monte Carlo truth: the first (sampled by the warm start) and the
+    one midway through RL (sampled by the policy kept after the iteration before it)."""
+    return sorted({1, iterations // 2 + 1})
+
+
+def credit_archive(out: Path, code: Path, run_dir: Path, iterations: int, mc_samples: int) -> Path:
+    """What the credit-quality table needs of a finished run, kept under ``out/credit_data/<run>`` (committed: run
+    folders are not, and the policies the Monte Carlo truth runs are gone with them): the run's config, its rollout
+    shards xz-compressed (~25 KB an iteration against ~450 KB), and the ground truth computed now while the kept
+    policies exist (the expert's paths, and ``mc_samples`` continuations per state at ``mc_iterations``), which
+    ``scripts/credit_quality.py`` reads back instead of recomputing. Made once; an archive cut short is made again."""
+    import lzma
+
+    dest = out / "credit_data" / run_dir.name
+    if (dest / "done.json").is_file():
+        return dest
+    its = mc_iterations(iterations)
+    cmd = [sys.executable, "scripts/credit_quality.py", str(run_dir), "--no-rules", "--resamples", "10"]
+    if mc_samples > 0:
+        cmd += ["--mc-samples", str(mc_samples), "--mc-iterations", *map(str, its)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    with (run_dir / "credit.log").open("a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        rc = subprocess.run(cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+    if rc != 0:
+        raise RuntimeError(f"credit archive of {run_dir.name} failed (exit {rc}); see {run_dir / 'credit.log'}")
+    tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / ".hydra").mkdir(parents=True)
+    shutil.copy(run_dir / ".hydra" / "config.yaml", tmp / ".hydra" / "config.yaml")
+    (tmp / "rollouts").mkdir()
+    for shard in sorted((run_dir / "rollouts").glob("rollouts-*.tar")):
+        (tmp / "rollouts" / f"{shard.name}.xz").write_bytes(lzma.compress(shard.read_bytes(), preset=9))
+    shutil.copytree(run_dir / "groundtruth", tmp / "groundtruth")
+    meta = json.loads((run_dir / "meta.json").read_text())
+    _write_json(tmp / "done.json", {"commit": meta["commit"], "warm": meta.get("warm", ""), "mc_samples": mc_samples,
+                                    "mc_iterations": its if mc_samples > 0 else []})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
 
 
 def run_row(out: Path, level: str, method: str, seed: int, iterations: int) -> dict:
@@ -390,6 +453,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--table-only", action="store_true", help="rewrite the tables from runs.csv, train nothing")
     parser.add_argument("--code", type=Path, default=None,
                         help="train from this checkout instead of an export of HEAD (e.g. . for uncommitted edits)")
+    parser.add_argument("--credit-methods", nargs="*", default=list(CREDIT_METHODS),
+                        help="methods whose finished runs are archived under OUT/credit_data with their ground truth "
+                             "(AgentOPSD's logged evidence lets every credit rule be recomputed on its rollouts)")
+    parser.add_argument("--credit-mc-samples", type=int, default=8,
+                        help="Monte Carlo continuations per state for the archived runs' ground truth (0: expert truth only)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides for every run")
     args = parser.parse_args(argv)
     args.out = args.out.resolve()
@@ -433,6 +501,12 @@ def main(argv: list[str] | None = None) -> None:
             with rung_locks[(lv, s)]:
                 before(args.out, code, commit, lv, args.levels, s, args.overrides)
             row = run_one(args.out, code, commit, lv, args.levels, m, s, args.iterations, args.overrides, identity)
+            if m in args.credit_methods:
+                try:
+                    credit_archive(args.out, code, args.out / "runs" / f"{lv}-{m}-s{s}", args.iterations, args.credit_mc_samples)
+                except RuntimeError as error:  # the run stands; the next invocation makes its archive again
+                    failures.append(str(error))
+                    print(error, file=sys.stderr, flush=True)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)

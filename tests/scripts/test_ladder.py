@@ -120,6 +120,41 @@ def test_a_run_cut_short_resumes_across_commits_that_leave_the_trained_code_alon
     assert ladder.code_identity(git("rev-parse", "HEAD"), tmp_path) != first
 
 
+def test_a_run_killed_with_the_grid_resumes_from_its_checkpoint(ladder, tmp_path, monkeypatch) -> None:
+    """The end of a sitting kills the grid and its runs at once: the run's meta, written before training, lets the
+    next invocation resume from the checkpoint instead of starting over."""
+    weights = tmp_path / "warm" / "s0" / "policy.pt"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"warm")
+    calls: list[list[str]] = []
+
+    def killed(code, run_dir, level, method, seed, iterations, extra):
+        calls.append(extra)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"ckpt")
+        raise KeyboardInterrupt  # killed mid-run: nothing after _train runs
+
+    monkeypatch.setattr(ladder, "_train", killed)
+    args = (tmp_path, tmp_path, "c0", "KeyDoorBoxS5", ["KeyDoorBoxS5"], "grpo", 0, 2, [])
+    with pytest.raises(KeyboardInterrupt):
+        ladder.run_one(*args, identity="code-a")
+    with pytest.raises(KeyboardInterrupt):
+        ladder.run_one(*args, identity="code-a")
+    last = tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "checkpoints" / "last.ckpt"
+    assert not any(a.startswith("ckpt_path=") for a in calls[0])
+    assert f"ckpt_path={last}" in calls[1]  # resumed
+    meta = json.loads((last.parents[1] / "meta.json").read_text())
+    assert meta["code"] == "code-a" and meta["resumed"] == 1
+    with pytest.raises(KeyboardInterrupt):  # other trained code: starts over
+        ladder.run_one(*args, identity="code-b")
+    assert not any(a.startswith("ckpt_path=") for a in calls[2])
+
+
+def test_mc_iterations_are_the_first_and_the_midway_one(ladder) -> None:
+    assert ladder.mc_iterations(16) == [1, 9]
+    assert ladder.mc_iterations(1) == [1]
+
+
 @pytest.mark.slow
 def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     """Two methods, one seed, one rung, one iteration: a shared warm start, both evaluations, the table;
@@ -128,7 +163,7 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
             "evaluation.num_tasks=3", "model.hidden_size=32", "model.intermediate_size=64",
             "rollout.max_new_tokens=6", "checkpoint.every_n_iterations=1"]
     cmd = [sys.executable, "scripts/ladder.py", "--levels", "KeyDoorBoxS5", "--methods", "grpo", "agentopsd", "--seeds", "0",
-           "--iterations", "1", "--jobs", "1", "--out", str(tmp_path), "--code", str(ROOT), *tiny]
+           "--iterations", "1", "--jobs", "1", "--out", str(tmp_path), "--code", str(ROOT), "--credit-mc-samples", "3", *tiny]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -144,6 +179,12 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     assert (tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "checkpoints" / "policy-000001.pt").is_file()
     table = (tmp_path / "table.md").read_text()
     assert "| agentopsd |" in table and "| grpo |" in table and "Success at temperature 1" in table
+    # the AgentOPSD run's credit archive: config, compressed shards and its ground truth, made while its policies exist
+    archive = tmp_path / "credit_data" / "KeyDoorBoxS5-agentopsd-s0"
+    assert [p.name for p in (tmp_path / "credit_data").iterdir()] == [archive.name]  # GRPO's run is not archived
+    assert json.loads((archive / "done.json").read_text())["mc_iterations"] == [1]
+    assert [p.name for p in (archive / "rollouts").iterdir()] == ["rollouts-000001.tar.xz"]
+    assert {p.name for p in (archive / "groundtruth").iterdir()} == {"expert.json", "mc-iter0001-m3.json"}
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and "greedy" in again.stdout
     assert not list((tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "csv").glob("version_1"))  # nothing retrained
@@ -170,6 +211,16 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     rules = (out / "rules.csv").read_text().splitlines()
     assert rules[0].startswith("truth,env,stage,rule")
     assert all(sum(f",{rule}," in r for r in rules) >= 1 for rule in ("gigpo", "stepopsd", "token", "rlsd", "magnitude"))
+    # the archive gives the credit-quality table the run folder gives, with no policy at hand (truth read back)
+    tables = []
+    for source, name in ((tmp_path / "runs" / "KeyDoorBoxS5-agentopsd-s0", "cq-run"), (archive, "cq-archive")):
+        done = subprocess.run([sys.executable, "scripts/credit_quality.py", str(source), "--resamples", "50", "--mc-samples", "3",
+                               "--mc-iterations", "1", "--out", str(tmp_path / name)], cwd=ROOT, capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        tables.append([line for line in (tmp_path / name / "table.md").read_text().splitlines()
+                       if "scripts/credit_quality.py" not in line])
+    assert tables[0] == tables[1] and any(line.startswith("| expert |") for line in tables[0])
     # the Monte Carlo truth: computed once, kept beside the run, read back by the next invocation
     mc_cmd = [sys.executable, "scripts/credit_quality.py", str(tmp_path / "runs" / "KeyDoorBoxS5-agentopsd-s0"), "--resamples", "50",
               "--mc-samples", "2", "--mc-iterations", "1", "--mc-every"]
@@ -184,3 +235,12 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     assert ("| mc | agentopsd | BabyAI-KeyDoorBoxS5-v0 | iter1 | uniform | 4 | 0.000 [0.000, 0.000] | 4 | 0.500 [0.500, 0.500] | 4 |"
             in (tmp_path / "mc2" / "table.md").read_text())
+    # an archive's cached truth is all the table needs: with the truth in it and no policy anywhere, the same rows
+    (archive / "groundtruth" / cache.name).write_text(cache.read_text())
+    os.rename(tmp_path / "warm", tmp_path / "warm-gone")
+    third = subprocess.run([*mc_cmd[:2], str(archive), *mc_cmd[3:], "--out", str(tmp_path / "mc3")], cwd=ROOT,
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    rows = [[line for line in (tmp_path / name / "table.md").read_text().splitlines() if line.startswith("| mc |")]
+            for name in ("mc2", "mc3")]
+    assert rows[0] and rows[0] == rows[1]
