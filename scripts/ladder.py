@@ -501,12 +501,6 @@ def main(argv: list[str] | None = None) -> None:
             with rung_locks[(lv, s)]:
                 before(args.out, code, commit, lv, args.levels, s, args.overrides)
             row = run_one(args.out, code, commit, lv, args.levels, m, s, args.iterations, args.overrides, identity)
-            if m in args.credit_methods:
-                try:
-                    credit_archive(args.out, code, args.out / "runs" / f"{lv}-{m}-s{s}", args.iterations, args.credit_mc_samples)
-                except RuntimeError as error:  # the run stands; the next invocation makes its archive again
-                    failures.append(str(error))
-                    print(error, file=sys.stderr, flush=True)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)
@@ -516,6 +510,12 @@ def main(argv: list[str] | None = None) -> None:
             write_results(list(rows), args.out, command_line)
         print(f"{lv} {m} seed {s}: greedy {100 * row['greedy_before']:.0f} -> {100 * row['greedy_after']:.0f}, sampled "
               f"{100 * row['sampled_before']:.1f} -> {100 * row['sampled_after']:.1f} in {row['wall_s']:.0f} s", flush=True)
+        if m in args.credit_methods:  # after the row is recorded: a sitting that ends meanwhile keeps the run
+            try:
+                credit_archive(args.out, code, args.out / "runs" / f"{lv}-{m}-s{s}", args.iterations, args.credit_mc_samples)
+            except RuntimeError as error:  # the run stands; the next invocation makes its archive again
+                failures.append(str(error))
+                print(error, file=sys.stderr, flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(one, jobs))
