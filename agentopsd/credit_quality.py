@@ -58,11 +58,14 @@ def spearman(signal: Sequence[float], truth: Sequence[float]) -> float | None:
     return float(np.sum(rs * rt) / np.sqrt(np.sum(rs * rs) * np.sum(rt * rt)))
 
 
-def pairwise_accuracy(signal: Sequence[float], truth: Sequence[float], margin: float = 0.0) -> tuple[float, int] | None:
+def pairwise_accuracy(signal: Sequence[float], truth: Sequence[float], margin: float = 0.0,
+                      among: Sequence[bool] | None = None) -> tuple[float, int] | None:
     """(accuracy, number of pairs) over the pairs (i, j) of one trajectory with |truth_i - truth_j| > margin.
 
     A pair counts 1 when the signal orders it as the truth does, 0 when reversed, 1/2 when the
     signal ties. None when no pair qualifies (the trajectory says nothing about ordering).
+    ``among`` [K]: only the pairs with at least one of their two turns marked count (for example the
+    turns where the teacher view knew something the student view did not).
     """
     s, t = np.asarray(signal, dtype=float), np.asarray(truth, dtype=float)
     if s.shape != t.shape or s.ndim != 1:
@@ -73,6 +76,11 @@ def pairwise_accuracy(signal: Sequence[float], truth: Sequence[float], margin: f
     ds = s[:, None] - s[None, :]
     upper = np.triu(np.ones_like(dt, dtype=bool), k=1)
     eligible = upper & (np.abs(dt) > margin)
+    if among is not None:
+        marked = np.asarray(among, dtype=bool)
+        if marked.shape != t.shape:
+            raise ValueError(f"among must mark the {t.shape[0]} turns, got shape {marked.shape}")
+        eligible &= marked[:, None] | marked[None, :]
     n = int(eligible.sum())
     if n == 0:
         return None
@@ -128,20 +136,22 @@ class CreditQuality:
 
 def credit_quality(
     signals: Sequence[Sequence[float]], truths: Sequence[Sequence[float]], *, margin: float = 0.0,
-    resamples: int = 2000, seed: int = 0,
+    resamples: int = 2000, seed: int = 0, among: Sequence[Sequence[bool]] | None = None,
 ) -> CreditQuality:
     """Per-trajectory Spearman and pairwise accuracy, averaged over trajectories with 95% intervals.
 
-    ``signals[i]`` and ``truths[i]``: the valid turns [K_i] of trajectory i, in turn order.
+    ``signals[i]`` and ``truths[i]``: the valid turns [K_i] of trajectory i, in turn order. ``among[i]``
+    (optional): the turns whose pairs count in the pairwise accuracy (``pairwise_accuracy``).
     """
-    if len(signals) != len(truths):
-        raise ValueError(f"got {len(signals)} signal rows and {len(truths)} truth rows")
+    if len(signals) != len(truths) or (among is not None and len(among) != len(truths)):
+        raise ValueError(f"got {len(signals)} signal rows, {len(truths)} truth rows"
+                         + ("" if among is None else f" and {len(among)} turn masks"))
     rhos, accs, pairs = [], [], 0
-    for s, t in zip(signals, truths):
+    for i, (s, t) in enumerate(zip(signals, truths)):
         rho = spearman(s, t)
         if rho is not None:
             rhos.append(rho)
-        acc = pairwise_accuracy(s, t, margin)
+        acc = pairwise_accuracy(s, t, margin, None if among is None else among[i])
         if acc is not None:
             accs.append(acc[0])
             pairs += acc[1]
@@ -155,12 +165,14 @@ def credit_quality(
 def paired_accuracy_difference(
     signal_a: Sequence[Sequence[float]], signal_b: Sequence[Sequence[float]], truths: Sequence[Sequence[float]], *,
     margin: float = 0.0, clusters: Sequence[Hashable] | None = None, resamples: int = 2000, seed: int = 0,
+    among: Sequence[Sequence[bool]] | None = None,
 ) -> Estimate:
     """Mean over trajectories of pairwise accuracy of ``signal_a`` minus that of ``signal_b``, with its 95% interval.
 
     Both signals are scored on the same turns and the same pairs, so the difference is paired per
     trajectory. ``clusters`` (one label per trajectory, e.g. its run) makes the interval a cluster
     bootstrap: whole clusters are resampled, since the trajectories of one run are not independent.
+    ``among[i]`` (optional): the turns of trajectory i whose pairs count (``pairwise_accuracy``).
     """
     if not len(signal_a) == len(signal_b) == len(truths):
         raise ValueError(f"got {len(signal_a)}, {len(signal_b)} and {len(truths)} rows")
@@ -168,7 +180,8 @@ def paired_accuracy_difference(
         raise ValueError(f"got {len(clusters)} cluster labels for {len(truths)} trajectories")
     diffs, labels = [], []
     for i, (a, b, t) in enumerate(zip(signal_a, signal_b, truths)):
-        acc_a, acc_b = pairwise_accuracy(a, t, margin), pairwise_accuracy(b, t, margin)
+        mask = None if among is None else among[i]
+        acc_a, acc_b = pairwise_accuracy(a, t, margin, mask), pairwise_accuracy(b, t, margin, mask)
         if acc_a is not None:  # the same truth and margin: both are defined or neither
             diffs.append(acc_a[0] - acc_b[0])
             labels.append(clusters[i] if clusters is not None else i)

@@ -307,23 +307,29 @@ def rules_table(rule_cells: dict, args: argparse.Namespace) -> list[dict]:
             have = [item for item in items if rule in item[1]]  # the token rules: only where token gaps were logged
             if not have:
                 continue
-            runs = [run for run, _, _ in have]
-            tru = [t for _, _, t in have]
-            paper = [orders["agentopsd"] for _, orders, _ in have]
-            sig = [orders[rule] for _, orders, _ in have]
+            runs = [item[0] for item in have]
+            tru = [item[2] for item in have]
+            informed = [item[3] for item in have]
+            paper = [item[1]["agentopsd"] for item in have]
+            sig = [item[1][rule] for item in have]
             q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
+            qi = credit_quality(sig, tru, margin=margin, resamples=args.resamples, among=informed)
             accs = [(run, pairwise_accuracy(s_, t_, margin)) for run, s_, t_ in zip(runs, sig, tru)]
             by_run_acc = cluster_bootstrap_mean([a[0] for _, a in accs if a], [run for run, a in accs if a],
                                                 resamples=args.resamples)
             row = {"truth": truth, "env": level, "stage": stage, "rule": rule, "trajectories": len(sig),
                    "rank_corr": q.rank_correlation.fmt(), "pairwise_acc": q.pairwise_accuracy.fmt(),
                    "pairwise_n": q.pairwise_accuracy.n, "pairwise_acc_over_runs": f"{by_run_acc.fmt()} ({by_run_acc.n} runs)",
-                   "agentopsd_minus_rule": "", "over_runs": ""}
+                   "agentopsd_minus_rule": "", "over_runs": "",
+                   "informed_acc": f"{qi.pairwise_accuracy.fmt()} ({qi.pairwise_accuracy.n}; {qi.pairs} pairs)",
+                   "informed_agentopsd_minus_rule": ""}
             if rule != "agentopsd":
                 row["agentopsd_minus_rule"] = paired_accuracy_difference(
                     paper, sig, tru, margin=margin, resamples=args.resamples).fmt()
                 by_run = paired_accuracy_difference(paper, sig, tru, margin=margin, clusters=runs, resamples=args.resamples)
                 row["over_runs"] = f"{by_run.fmt()} ({by_run.n} runs)"
+                row["informed_agentopsd_minus_rule"] = paired_accuracy_difference(
+                    paper, sig, tru, margin=margin, resamples=args.resamples, among=informed).fmt()
             rows.append(row)
     return rows
 
@@ -390,7 +396,9 @@ def main() -> None:
                     sig.append(values)
                     tru.append(values_t)
                 if id(traj) in rules:
-                    rule_cells[(truth, level, stage)].append((run.name, rules[id(traj)], values_t))
+                    # informed turns: the teacher view held something the student view did not
+                    rule_cells[(truth, level, stage)].append((run.name, rules[id(traj)], values_t,
+                                                              [kind != "routine" for kind in kinds]))
             for turn, label, kind in zip(traj.turns, labels, kinds):
                 label_count[(traj.algorithm, label)] += 1
                 kind_count[(traj.algorithm, kind, label)] += 1
@@ -449,7 +457,10 @@ def main() -> None:
                   "The recomputed AgentOPSD ordering sign(A) w_k matches the logged one to "
                   f"{max(w for _, _, w in rule_runs):.1e}. Last two columns: AgentOPSD's pairwise accuracy minus the "
                   "rule's, paired per trajectory, with 95% bootstrap intervals over trajectories and over runs (whole "
-                  "runs resampled). Stage `rl`: every Monte Carlo iteration after the first, pooled.", "",
+                  "runs resampled). Stage `rl`: every Monte Carlo iteration after the first, pooled. `informed_acc`: the "
+                  "pairwise accuracy over only the pairs with at least one informed turn (one where the teacher view "
+                  "held a skill the student view did not; with a turn-scoped skill bank the other turns' evidence is 0 "
+                  "by construction), with its trajectories and pairs, and AgentOPSD's paired advantage there.", "",
                   "| " + " | ".join(rule_table[0]) + " |", "|" + "---|" * len(rule_table[0])]
         lines += ["| " + " | ".join(str(r[h]) for h in rule_table[0]) + " |" for r in rule_table]
     text = "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ from agentopsd.credit_quality import (
     average_ranks,
     bootstrap_mean,
     credit_quality,
+    paired_accuracy_difference,
     pairwise_accuracy,
     spearman,
 )
@@ -99,3 +100,20 @@ def test_bad_input_is_a_clear_error():
         pairwise_accuracy([1.0, 2.0], [1.0, 2.0], margin=-1)
     with pytest.raises(ValueError, match="truth rows"):
         credit_quality([[1.0]], [])
+
+
+def test_among_counts_only_the_pairs_of_marked_turns():
+    truth, signal = [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 3.0, 2.0]  # the pair (2, 3) reversed
+    assert pairwise_accuracy(signal, truth) == (pytest.approx(5 / 6), 6)
+    # turn 2's pairs: (0, 2) and (1, 2) right, (2, 3) reversed
+    assert pairwise_accuracy(signal, truth, among=[False, False, True, False]) == (pytest.approx(2 / 3), 3)
+    assert pairwise_accuracy(signal, truth, among=[True, True, False, False]) == (pytest.approx(1.0), 5)
+    assert pairwise_accuracy(signal, truth, among=[False] * 4) is None
+    with pytest.raises(ValueError, match="must mark the 4 turns"):
+        pairwise_accuracy(signal, truth, among=[True])
+    q = credit_quality([signal, [3.0, 2.0, 1.0, 0.0]], [truth, truth], among=[[False, False, True, False], [False] * 4],
+                       resamples=10)
+    assert q.pairwise_accuracy.n == 1 and q.pairs == 3 and q.pairwise_accuracy.mean == pytest.approx(2 / 3)
+    # paired: the uniform signal ties all three of turn 2's pairs (1/2 each)
+    d = paired_accuracy_difference([signal], [[1.0] * 4], [truth], among=[[False, False, True, False]], resamples=10)
+    assert d.mean == pytest.approx(2 / 3 - 1 / 2) and d.n == 1
