@@ -42,6 +42,7 @@ from agentopsd.credit_rules import RULES, LoggedGroup, rule_orderings  # noqa: E
 from agentopsd.groundtruth import (  # noqa: E402
     FORMAT_ERROR_PREFIX,
     LoggedTrajectory,
+    LoggedTurn,
     expert_gain,
     expert_label,
     expert_path,
@@ -101,6 +102,32 @@ def turn_kind(bank, observation: str) -> str:
     if bank.scope != "turn":
         return "skill"
     return "+".join(bank.situational(observation).categories) or "routine"
+
+
+def action_name(turn: LoggedTurn) -> str:
+    """The action a turn took, for the evidence-by-action table: the parsed action, or ``(format error)``."""
+    return turn.action if turn.stepped else "(format error)"
+
+
+def evidence_by_action(evidence: dict[tuple[str, str, str, str], list[float]]) -> list[str]:
+    """Markdown rows of the mean evidence per (algorithm, informed turn kind, action), one column per stage.
+
+    ``evidence[(algorithm, kind, action, stage)]``: the evidence e_k of those turns. Routine turns are left
+    out (their two views are the same tokens: e_k = 0). A cell reads ``mean (turns)``; ``-`` where the stage
+    had no such turn. This is where a teacher view shows what it knows: a skill that helps raises the right
+    action's probability (e_k > 0) and lowers the wrong one's (e_k < 0) on the turns it is shown.
+    """
+    rows: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(dict)
+    for (alg, kind, action, stage), values in evidence.items():
+        if kind not in ("routine", "none") and values:
+            rows[(alg, kind, action)][stage] = values
+    out = ["| algorithm | kind | action | " + " | ".join(STAGES) + " | all |", "|---|---|---|" + "---|" * (len(STAGES) + 1)]
+    for (alg, kind, action), by_stage in sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                               -sum(map(len, kv[1].values())), kv[0][2])):
+        cells = [f"{np.mean(by_stage[st]):+.2f} ({len(by_stage[st])})" if st in by_stage else "-" for st in STAGES]
+        pooled = [v for values in by_stage.values() for v in values]
+        out.append(f"| {alg} | {kind} | {action} | " + " | ".join(cells) + f" | {np.mean(pooled):+.2f} ({len(pooled)}) |")
+    return out
 
 
 def anchor_states(observations: list[str]) -> list[str]:
@@ -359,6 +386,7 @@ def main() -> None:
     label_count: dict[tuple[str, str], int] = defaultdict(int)
     kind_signal: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     kind_count: dict[tuple[str, str, str], int] = defaultdict(int)
+    action_evidence: dict[tuple[str, str, str, str], list[float]] = defaultdict(list)
     # (truth, env, stage) -> (run, rule -> ordering, truth) per trajectory: every rule on the same rollouts
     rule_cells: dict[tuple[str, str, str], list[tuple[str, dict[str, list[float]], list[float]]]] = defaultdict(list)
     rule_runs: list[tuple[str, int, float]] = []
@@ -405,6 +433,8 @@ def main() -> None:
                 if "evidence" in turn.signals:
                     label_signal[(traj.algorithm, label)].append(turn.signals["evidence"])
                     kind_signal[(traj.algorithm, kind, label)].append(turn.signals["evidence"])
+                    action_evidence[(traj.algorithm, kind, action_name(turn), stage_of(traj.iteration, last))].append(
+                        turn.signals["evidence"])
 
     rows = []
     for (truth, alg, level, stage, name), (sig, tru) in sorted(cells.items(), key=lambda kv: (
@@ -444,6 +474,11 @@ def main() -> None:
         ev = np.asarray(kind_signal.get((alg, kind, label), []))
         cells = f"{ev.mean():.3f} | {ev.std():.3f} | {np.mean(np.abs(ev) > 0.1):.2f}" if ev.size else "n/a | | "
         lines.append(f"| {alg} | {kind} | {label} | {count} | {cells} |")
+    by_action = evidence_by_action(action_evidence)
+    if len(by_action) > 2:
+        lines += ["", "Evidence e_k on the informed turns by the action taken and the stage (thirds of each run's logged "
+                      "iterations): mean (turns), most frequent actions first. A skill that helps gives the right action "
+                      "e_k > 0 and the wrong one e_k < 0.", ""] + by_action
     rule_table = rules_table(rule_cells, args)
     if rule_table:
         lines += ["", "## Every credit rule on the same rollouts", "",

@@ -44,3 +44,27 @@ def test_a_later_iteration_needs_the_policy_kept_after_the_one_before(cq, tmp_pa
     assert cq.sampling_weights(run, 9) == run / "checkpoints" / "policy-000008.pt"
     with pytest.raises(SystemExit, match="no policy-000004.pt .*keep_policies"):
         cq.sampling_weights(run, 5)
+
+
+def test_evidence_by_action_averages_each_stage_and_leaves_routine_turns_out(cq) -> None:
+    evidence = {
+        ("agentopsd", "door", "toggle", "early"): [-1.0, -3.0],
+        ("agentopsd", "door", "toggle", "late"): [0.5],
+        ("agentopsd", "door", "pick up", "mid"): [0.25],
+        ("agentopsd", "routine", "go forward", "early"): [0.0, 0.0, 0.0],
+    }
+    rows = cq.evidence_by_action(evidence)
+    assert rows[0] == "| algorithm | kind | action | early | mid | late | all |"
+    assert rows[2:] == [  # the most frequent action of a kind first; no routine row
+        "| agentopsd | door | toggle | -2.00 (2) | - | +0.50 (1) | -1.17 (3) |",
+        "| agentopsd | door | pick up | - | +0.25 (1) | - | +0.25 (1) |",
+    ]
+
+
+def test_a_format_error_is_named_as_such_not_by_its_raw_text(cq) -> None:
+    from agentopsd.groundtruth import FORMAT_ERROR_PREFIX, LoggedTurn
+
+    stepped = LoggedTurn(k=0, action="toggle", observation="You see: a wall.", valid=True, signals={})
+    broken = LoggedTurn(k=1, action="pickSturn left", observation=FORMAT_ERROR_PREFIX + " Reply with ...", valid=False,
+                        signals={})
+    assert [cq.action_name(stepped), cq.action_name(broken)] == ["toggle", "(format error)"]
