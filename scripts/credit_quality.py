@@ -54,6 +54,10 @@ from agentopsd.groundtruth import (  # noqa: E402
 )
 
 STAGES = ("early", "mid", "late")
+EXPERT_CACHE = "expert-v2.json"
+"""Where a run keeps its expert paths (``groundtruth/``). v2: a bot planned from a mid-episode state keeps a
+key that opens a locked door and drops what it carries nearby; v1 dropped the key and fetched it again, so
+picking up the key measured as a step backwards. A v1 file is never read."""
 SIGNAL_ORDER = ("uniform", "advantage", "credit", "evidence", "revision")
 """``uniform``: A_seq on every turn (GRPO's credit without the per-turn penalties): the chance line, 0.5 exactly."""
 
@@ -143,14 +147,14 @@ def label_run(cfg: dict, trajs: list[LoggedTrajectory], run: Path | None = None,
               ) -> list[tuple[LoggedTrajectory, list[float], list[str], list[str], list[str]]]:
     """Per trajectory: the expert gain and label of every turn, the turn's kind (``turn_kind``) and the
     environment state it acted on (``anchor_states``). With ``run``, the expert's paths (the costly part)
-    are kept in ``run/groundtruth/expert.json`` and read back."""
+    are kept in ``run/groundtruth/`` (``EXPERT_CACHE``) and read back."""
     from agentopsd.skills import SkillBank
 
     max_turns = int(cfg["env"]["max_turns"])
     env = run_env(cfg)
     skills = cfg["env"].get("skills")
     bank = SkillBank.for_env(skills) if skills else None
-    cache = run / "groundtruth" / "expert.json" if run is not None else None
+    cache = run / "groundtruth" / EXPERT_CACHE if run is not None else None
     saved: dict[str, list[int]] = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     fresh = False
     out = []

@@ -130,11 +130,48 @@ def fresh_bot(env: Any, seen: np.ndarray) -> Any:
     for instr in reversed(remaining_instrs(env.instrs)):
         bot._process_instr(instr)
     bot.vis_mask |= reachable_part(env, seen)
-    if env.carrying is not None:
+    if env.carrying is not None and not opens_a_locked_door(env, env.carrying):
         # The plan assumes empty hands (PickupSubgoal asserts it): put the object down first.
+        # A key that opens a locked door is kept: the bot unlocks with the key in hand and drops
+        # it right after (OpenSubgoal), as the bot that fetched it would; dropping it here and
+        # fetching it again would make carrying the key look like a step backwards.
         bot.stack.append(DropSubgoal(bot))
-        bot.stack.append(GoNextToSubgoal(bot, bot._find_drop_pos()))
+        bot.stack.append(GoNextToSubgoal(bot, near_drop_pos(env) or bot._find_drop_pos()))
     return bot
+
+
+def near_drop_pos(env: Any) -> tuple[int, int] | None:
+    """An empty cell to drop into at once (ahead) or after one turn (right, left), or None.
+
+    The bot's own choice (``_find_drop_pos``) depends on where it stands and what it remembers, so a
+    bot built anew at every step of a drop-and-go plan keeps choosing other, farther cells: the path
+    it measures would shrink by more than a step on the turn that reaches one. Never in or beside a
+    doorway, where the object would block the way.
+    """
+    grid = env.grid
+
+    def door(x: int, y: int) -> bool:
+        cell = grid.get(x, y) if 0 <= x < grid.width and 0 <= y < grid.height else None
+        return cell is not None and cell.type == "door"
+
+    pos, right = np.asarray(env.agent_pos), np.asarray(env.right_vec)
+    if door(int(pos[0]), int(pos[1])):
+        return None
+    for cell in (np.asarray(env.front_pos), pos + right, pos - right):
+        x, y = int(cell[0]), int(cell[1])
+        if (0 <= x < grid.width and 0 <= y < grid.height and grid.get(x, y) is None
+                and not any(door(x + dx, y + dy) for dx, dy in ((1, 0), (-1, 0), (0, 1), (0, -1)))):
+            return x, y
+    return None
+
+
+def opens_a_locked_door(env: Any, obj: Any) -> bool:
+    """Is ``obj`` the key of a door of ``env`` that is still locked?"""
+    if getattr(obj, "type", None) != "key":
+        return False
+    grid = env.grid
+    return any(cell is not None and cell.type == "door" and cell.is_locked and cell.color == obj.color
+               for cell in grid.grid)
 
 
 def reachable_part(env: Any, seen: np.ndarray) -> np.ndarray:

@@ -244,5 +244,5 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
     # the expert's paths are kept beside the run (one per trajectory: before each turn, and after the last)
     import json
 
-    saved = json.loads((run / "groundtruth" / "expert.json").read_text())
+    saved = json.loads((run / "groundtruth" / "expert-v2.json").read_text())
     assert len(saved) == 4 and all(len(path) == int(key.split(":")[-1]) + 1 for key, path in saved.items())

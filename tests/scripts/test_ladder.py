@@ -184,7 +184,7 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     assert [p.name for p in (tmp_path / "credit_data").iterdir()] == [archive.name]  # GRPO's run is not archived
     assert json.loads((archive / "done.json").read_text())["mc_iterations"] == [1]
     assert [p.name for p in (archive / "rollouts").iterdir()] == ["rollouts-000001.tar.xz"]
-    assert {p.name for p in (archive / "groundtruth").iterdir()} == {"expert.json", "mc-iter0001-m3.json"}
+    assert {p.name for p in (archive / "groundtruth").iterdir()} == {"expert-v2.json", "mc-iter0001-m3.json"}
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0 and "greedy" in again.stdout
     assert not list((tmp_path / "runs" / "KeyDoorBoxS5-grpo-s0" / "csv").glob("version_1"))  # nothing retrained

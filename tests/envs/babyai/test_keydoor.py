@@ -9,7 +9,7 @@ import pytest
 
 import agentopsd.envs  # noqa: F401  (registers the ids)
 from agentopsd.envs.babyai.env import BabyAIEnv
-from agentopsd.groundtruth import advance, make_env, start
+from agentopsd.groundtruth import advance, expert_remaining, make_env, start
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector
@@ -88,6 +88,48 @@ def test_a_restored_keydoor_state_continues_exactly() -> None:
     seen = [advance(state, a).observation for a in tail if not state.done]
     again = snap.copy()
     assert seen == [advance(again, a).observation for a in tail[: len(seen)]]
+
+
+@pytest.mark.parametrize("level, tasks", [("KeyDoorBoxS5", [0, 1, 6]), ("KeyDoorBoxS9", [0, 3, 7])])
+def test_the_expert_label_counts_each_turn_of_the_experts_own_path_as_one_step_of_progress(level, tasks) -> None:
+    """Replayed without asking the env's expert (as the credit table replays logs), every state's remaining
+    path is planned by a bot built anew there. Along the expert's own path it must shrink by exactly one a
+    turn: carrying the door's key is progress (a bot that dropped it first measured the pick-up as -1 or -3
+    and the unlock as +5), and so is each step towards where the key is put down (S5 task 1 and 6, S9 task
+    0: a bot choosing a new drop cell at every step measured -1 then +3). One known miss stays: on S5 task
+    2 the bot that fetched the key drops it right after unlocking, a bot built after the pick-up walks
+    farther to drop it (the bot's own choice of drop cell)."""
+    env_id = f"agentopsd/BabyAI-{level}-v0"
+    for k in tasks:
+        guide, actions = start(make_env(env_id, 200), k), []
+        while not guide.done:
+            actions.append(guide.env.unwrapped.expert_action())
+            advance(guide, actions[-1])
+        assert guide.won
+        state = start(make_env(env_id, 200), k)
+        path = [expert_remaining(state)]
+        for a in actions:
+            path.append(expert_remaining(advance(state, a)))
+        assert path == list(range(len(actions), -1, -1)), (k, list(zip(actions, path[1:])))
+        assert "pick up" in actions and "toggle" in actions and "drop" in actions  # the decisive turns were on it
+
+
+def test_a_replanned_drop_is_near_but_never_in_or_beside_a_doorway() -> None:
+    from agentopsd.envs.babyai.expert import near_drop_pos
+
+    state = start(make_env(ENV_ID, 60), 0)
+    grid = state.env.unwrapped._grid
+    while not (grid.carrying is not None and grid.carrying.type == "key"):  # the expert fetches the key
+        advance(state, state.env.unwrapped.expert_action())
+    while state.env.unwrapped.expert_action() != "toggle":  # and walks to the door
+        advance(state, state.env.unwrapped.expert_action())
+    advance(state, "toggle")
+    door = tuple(int(v) for v in grid.front_pos)
+    assert grid.grid.get(*door).type == "door" and grid.grid.get(*door).is_open
+    x, y = near_drop_pos(grid)  # facing the open door: one turn aside, not next to the door
+    assert grid.grid.get(x, y) is None and abs(x - door[0]) + abs(y - door[1]) == 2
+    advance(state, "go forward")  # standing in the doorway: nowhere near is safe
+    assert tuple(int(v) for v in grid.agent_pos) == door and near_drop_pos(grid) is None
 
 
 # ---------------------------------------------------------------- turn-scoped skills
