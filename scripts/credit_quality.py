@@ -109,8 +109,11 @@ def turn_kind(bank, observation: str) -> str:
 
 
 def action_name(turn: LoggedTurn) -> str:
-    """The action a turn took, for the evidence-by-action table: the parsed action, or ``(format error)``."""
-    return turn.action if turn.stepped else "(format error)"
+    """The action a turn took, for the evidence-by-action table: the env's action, ``(format error)``, or
+    ``(invalid action)`` for text the env does not know (each garbled reply would be a row of its own)."""
+    if not turn.stepped:
+        return "(format error)"
+    return turn.action if turn.valid else "(invalid action)"
 
 
 def evidence_by_action(evidence: dict[tuple[str, str, str, str], list[float]]) -> list[str]:

@@ -61,10 +61,12 @@ def test_evidence_by_action_averages_each_stage_and_leaves_routine_turns_out(cq)
     ]
 
 
-def test_a_format_error_is_named_as_such_not_by_its_raw_text(cq) -> None:
+def test_format_errors_and_invalid_actions_are_named_as_such_not_by_their_raw_text(cq) -> None:
     from agentopsd.groundtruth import FORMAT_ERROR_PREFIX, LoggedTurn
 
     stepped = LoggedTurn(k=0, action="toggle", observation="You see: a wall.", valid=True, signals={})
     broken = LoggedTurn(k=1, action="pickSturn left", observation=FORMAT_ERROR_PREFIX + " Reply with ...", valid=False,
                         signals={})
-    assert [cq.action_name(stepped), cq.action_name(broken)] == ["toggle", "(format error)"]
+    garbled = LoggedTurn(k=2, action="turn up", observation="You see: a wall.\nLast action: 'turn up' is not an action",
+                         valid=False, signals={})
+    assert [cq.action_name(t) for t in (stepped, broken, garbled)] == ["toggle", "(format error)", "(invalid action)"]
