@@ -86,20 +86,24 @@ def shared(warm_level: str) -> list[str]:
     return [f"model.env_id={env_id(warm_level)}"]
 
 
-def warm_weights(out: Path, code: Path, levels: list[str], seed: int, overrides: list[str]) -> Path:
+WARM_LEVEL = max(LEVELS, key=lambda lv: LEVELS[lv])
+"""The rung whose text builds the one tokenizer every run of the grid shares (the longest: it shows every word)."""
+
+
+def warm_weights(out: Path, code: Path, seed: int, overrides: list[str]) -> Path:
     """The seed's warm start, trained once on demonstrations from every rung in turn and shared by every rung and
     method (a warm start made on the longest rung alone played the shortest at 6% against 20% for one of its own);
-    each rung evaluates the shared weights for itself (``before``)."""
-    warm_level = max(levels, key=lambda lv: LEVELS[lv])
+    each rung evaluates the shared weights for itself (``before``). Always every rung, whatever ``--levels`` says:
+    a run of a few rungs into the grid's folder must not make a seed's warm start by another recipe."""
     weights = out / "warm" / f"s{seed}" / "policy.pt"
     if weights.exists():
         return weights
     run_dir = out / "runs" / f"warm-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    mixed = "warm_start.env_ids=[" + ",".join(f'"{env_id(lv)}"' for lv in levels) + "]"
-    rc = _train(code, run_dir, warm_level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2",
-                "evaluation.before_training=false", "evaluation.num_tasks=1", mixed, *shared(warm_level), *overrides])
+    mixed = "warm_start.env_ids=[" + ",".join(f'"{env_id(lv)}"' for lv in LEVELS) + "]"
+    rc = _train(code, run_dir, WARM_LEVEL, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2",
+                "evaluation.before_training=false", "evaluation.num_tasks=1", mixed, *shared(WARM_LEVEL), *overrides])
     made = sorted((run_dir / "warm_start").glob("policy-*.pt"))
     if rc != 0 or len(made) != 1:
         raise RuntimeError(f"warm start seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
@@ -115,21 +119,20 @@ def file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
-def before(out: Path, code: Path, commit: str, level: str, levels: list[str], seed: int, overrides: list[str]) -> dict:
+def before(out: Path, code: Path, commit: str, level: str, seed: int, overrides: list[str]) -> dict:
     """The shared warm start evaluated on one rung (greedy and sampled), once per (rung, seed)."""
     path = out / "warm" / f"s{seed}" / f"before-{level}.json"
-    weights = warm_weights(out, code, levels, seed, overrides)
+    weights = warm_weights(out, code, seed, overrides)
     if path.exists():
         done = json.loads(path.read_text())
         if done.get("warm", file_digest(weights)) == file_digest(weights):  # else the warm start was made again
             return done
-    warm_level = max(levels, key=lambda lv: LEVELS[lv])
     run_dir = out / "runs" / f"{level}-before-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     # one tiny iteration: its evaluation before training is the warm start's on this rung
     rc = _train(code, run_dir, level, "grpo", seed, 1, ["data.tasks_per_batch=1", "data.group_size=2", f"warm_start.weights={weights}",
-                                                       "evaluation.at_end=false", *shared(warm_level), *overrides])
+                                                       "evaluation.at_end=false", *shared(WARM_LEVEL), *overrides])
     row = evals(log_rows(run_dir)).get(0)
     if rc != 0 or row is None:
         raise RuntimeError(f"warm start evaluation {level} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
@@ -145,10 +148,9 @@ def code_identity(commit: str, root: Path = ROOT) -> str:
     return hashlib.sha1(" ".join(trees).encode()).hexdigest()[:12]
 
 
-def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], method: str, seed: int, iterations: int,
+def run_one(out: Path, code: Path, commit: str, level: str, method: str, seed: int, iterations: int,
             overrides: list[str], identity: str = "") -> dict:
-    weights = warm_weights(out, code, levels, seed, overrides)
-    warm_level = max(levels, key=lambda lv: LEVELS[lv])
+    weights = warm_weights(out, code, seed, overrides)
     run_dir = out / "runs" / f"{level}-{method}-s{seed}"
     meta_path = run_dir / "meta.json"
     if iterations not in evals(log_rows(run_dir)):
@@ -161,7 +163,7 @@ def run_one(out: Path, code: Path, commit: str, level: str, levels: list[str], m
             run_dir.mkdir(parents=True)
             meta = {}
         extra = ["evaluation.before_training=false", "checkpoint.keep_policies=true", f"warm_start.weights={weights}",
-                 *shared(warm_level), *overrides]
+                 *shared(WARM_LEVEL), *overrides]
         # written before training too: a run killed together with this process (the end of a sitting) leaves
         # checkpoints and this, and resumes next time (its wall time then misses the killed stretch)
         meta = {"commit": commit, "code": identity or commit, "warm": file_digest(weights),
@@ -497,10 +499,10 @@ def main(argv: list[str] | None = None) -> None:
             return
         try:
             with seed_locks[s]:  # the first run of a seed makes its warm start, the others wait
-                warm_weights(args.out, code, args.levels, s, args.overrides)
+                warm_weights(args.out, code, s, args.overrides)
             with rung_locks[(lv, s)]:
-                before(args.out, code, commit, lv, args.levels, s, args.overrides)
-            row = run_one(args.out, code, commit, lv, args.levels, m, s, args.iterations, args.overrides, identity)
+                before(args.out, code, commit, lv, s, args.overrides)
+            row = run_one(args.out, code, commit, lv, m, s, args.iterations, args.overrides, identity)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)

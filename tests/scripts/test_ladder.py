@@ -135,7 +135,7 @@ def test_a_run_killed_with_the_grid_resumes_from_its_checkpoint(ladder, tmp_path
         raise KeyboardInterrupt  # killed mid-run: nothing after _train runs
 
     monkeypatch.setattr(ladder, "_train", killed)
-    args = (tmp_path, tmp_path, "c0", "KeyDoorBoxS5", ["KeyDoorBoxS5"], "grpo", 0, 2, [])
+    args = (tmp_path, tmp_path, "c0", "KeyDoorBoxS5", "grpo", 0, 2, [])
     with pytest.raises(KeyboardInterrupt):
         ladder.run_one(*args, identity="code-a")
     with pytest.raises(KeyboardInterrupt):
@@ -244,3 +244,23 @@ def test_a_tiny_grid_runs_pairs_and_resumes(tmp_path) -> None:
     rows = [[line for line in (tmp_path / name / "table.md").read_text().splitlines() if line.startswith("| mc |")]
             for name in ("mc2", "mc3")]
     assert rows[0] and rows[0] == rows[1]
+
+
+def test_a_seeds_warm_start_is_made_from_every_rung_whatever_the_levels_run(ladder, tmp_path, monkeypatch) -> None:
+    """A run of one rung into the grid's folder (``--levels KeyDoorBoxS9``) must make a missing warm start by the
+    grid's recipe: demonstrations of every rung, the longest rung's tokenizer."""
+    calls: list[tuple[str, list[str]]] = []
+
+    def fake(code, run_dir, level, method, seed, iterations, extra):
+        calls.append((level, extra))
+        (run_dir / "warm_start").mkdir()
+        (run_dir / "warm_start" / "policy-abc.pt").write_bytes(b"w")
+        return 0
+
+    monkeypatch.setattr(ladder, "_train", fake)
+    weights = ladder.warm_weights(tmp_path, tmp_path, 10, [])
+    assert weights == tmp_path / "warm" / "s10" / "policy.pt" and weights.read_bytes() == b"w"
+    (level, extra), = calls
+    assert level == "KeyDoorBoxS9" and "model.env_id=agentopsd/BabyAI-KeyDoorBoxS9-v0" in extra
+    mixed = next(a for a in extra if a.startswith("warm_start.env_ids="))
+    assert all(f'"agentopsd/BabyAI-{lv}-v0"' in mixed for lv in ("KeyDoorBoxS5", "KeyDoorBoxS7", "KeyDoorBoxS9"))
