@@ -10,8 +10,9 @@ so :class:`ExpertTracker`:
 - otherwise, or when the bot raises (it asserts on states it did not plan for, e.g. a
   box the agent opened), builds a fresh bot for the current state: it gets the cells seen
   so far this episode (tracked here at every step) and only the parts of a sequence
-  mission that are not done yet, and drops a carried object first (the bot's pickup
-  subgoal assumes empty hands).
+  mission that are not done yet, and drops a carried object first, close by (the bot's pickup
+  subgoal assumes empty hands), except a key that opens a door still locked: the bot unlocks
+  with it and drops it after.
 """
 
 from __future__ import annotations
