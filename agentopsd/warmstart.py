@@ -11,6 +11,13 @@ action, which only RL can unlearn). Two kinds of samples are written:
 * teacher view (skill block in the prompt): the label is always the expert's action, so the
   model learns that the skill block means "act like the expert" and the teacher view
   carries real information (its log-prob gap favours expert-like actions).
+
+Demonstrations only show the states the expert (and its flaws) reach. With ``on_policy_episodes``
+the warm-started student then plays training episodes itself, and every turn of those whose
+teacher view holds a skill becomes one more teacher-view sample labelled with the expert's
+action there (a DAgger-style pass for the teacher view alone): the teacher view learns the states
+the student's own mistakes lead to (a locked door reached without its key), which the expert's
+demonstrations never visit. ``on_policy_steps`` further supervised steps train on the mix.
 """
 
 from __future__ import annotations
@@ -83,12 +90,74 @@ def write_demonstrations(
     return count
 
 
+def action_scores(model, tokenizer, prompt: list[int], actions: list[str]) -> torch.Tensor:
+    """``[len(actions)]``: the log-probability of each action's whole reply (``<action>..</action><|im_end|>``) after
+    ``prompt``, one batched forward pass (the policy restricted to well-formed replies)."""
+    replies = [_reply(tokenizer, a) for a in actions]
+    width = len(prompt) + max(len(r) for r in replies)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(replies), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    for r, reply in enumerate(replies):
+        ids[r, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+        attn[r, : len(prompt) + len(reply)] = 1
+        target[r, len(prompt) : len(prompt) + len(reply)] = True
+    with torch.no_grad():
+        lp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+    return (lp * target[:, 1:]).sum(-1)
+
+
+def student_visits(
+    model, tokenizer, builder: PromptBuilder, env_id: str | list[str], *, episodes: int, seed: int, skills: str,
+    max_turns: int, temperature: float = 1.0, max_general: int | None = None,
+) -> list[dict]:
+    """The student plays ``episodes`` training episodes (sampling among the env's actions by their reply
+    log-probabilities at ``temperature``); returns a demonstration-format sample (``taken``: the student's
+    action, ``expert``: the expert's) for every turn whose teacher view holds a skill."""
+    if temperature <= 0:
+        raise ValueError(f"warm_start.on_policy_temperature must be > 0, got {temperature}")
+    rng = np.random.default_rng(seed)
+    bank = SkillBank.for_env(skills, max_general=max_general)
+    pool = [gym.make(i, split="train", disable_env_checker=True) for i in ([env_id] if isinstance(env_id, str) else env_id)]
+    was_training = model.training
+    model.eval()
+    out: list[dict] = []
+    try:
+        for ep in range(episodes):
+            env = pool[ep % len(pool)]
+            obs, info = env.reset(seed=int(rng.integers(2**31 - 1)), options={"task_index": int(rng.integers(env.unwrapped.num_tasks))})
+            history: list[dict] = []
+            for _ in range(max_turns):
+                actions = list(info.get("admissible_actions") or [])
+                if not actions:
+                    raise ValueError(f"{env.spec.id if env.spec else env_id}: warm_start.on_policy_episodes needs an env that lists its admissible actions")
+                prompt = builder.build(info["task"], [HistoryEntry(h["observation"], h["action"]) for h in history[-4:]], obs, actions)
+                probs = torch.softmax(action_scores(model, tokenizer, prompt, actions) / temperature, 0).double().numpy()
+                taken = actions[int(rng.choice(len(actions), p=probs / probs.sum()))]
+                skill = bank.block(info["skill_key"], info["task"], obs)
+                if skill:
+                    out.append({"task": info["task"], "history": history[-4:], "observation": obs, "admissible": info.get("admissible_actions"),
+                                "skill": skill, "expert": env.unwrapped.expert_action(), "taken": taken})
+                history.append({"observation": obs, "action": taken})
+                obs, _, term, trunc, info = env.step(taken)
+                if term or trunc:
+                    break
+    finally:
+        for env in pool:
+            env.close()
+        model.train(was_training)
+    return out
+
+
+def _reply(tokenizer, action: str) -> list[int]:
+    return tokenizer.encode(f"<action>{action}</action>", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
 def _encode(builder: PromptBuilder, tokenizer, sample: dict, teacher: bool) -> tuple[list[int], list[int]]:
     history = [HistoryEntry(h["observation"], h["action"]) for h in sample["history"]]
     prompt = builder.build(sample["task"], history, sample["observation"], sample["admissible"], skill=sample["skill"] if teacher else "")
-    label = sample["expert"] if teacher else sample["taken"]
-    action = tokenizer.encode(f"<action>{label}</action>", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return prompt, action
+    return prompt, _reply(tokenizer, sample["expert"] if teacher else sample["taken"])
 
 
 def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float]:
@@ -101,6 +170,11 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         model.load_state_dict(torch.load(cfg.weights, map_location="cpu"))
         print(f"warm start: loaded {cfg.weights} (warm_start.weights)")
         return {"warm_start/cached": 1.0}
+    on_policy = int(cfg.get("on_policy_episodes") or 0) > 0
+    if on_policy and not env_cfg.skills:
+        raise ValueError("warm_start.on_policy_episodes adds teacher-view samples: set env.skills, or warm_start.on_policy_episodes=0")
+    if on_policy and float(cfg.get("on_policy_temperature", 1.0)) <= 0:
+        raise ValueError(f"warm_start.on_policy_temperature must be > 0, got {cfg.on_policy_temperature}")
     # the name carries every setting the demonstrations depend on, so a stale shard is never reused
     habits = dict(cfg.get("habits") or {})
     habit_prob = float(cfg.get("habit_prob", 0.0))
@@ -134,18 +208,48 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         rng = np.random.default_rng(cfg.seed)
         chosen = rng.random(len(samples)) < cfg.teacher_fraction
         encoded += [_encode(builder, tokenizer, s, teacher=True) for s, c in zip(samples, chosen) if c and s["skill"]]
+    step, losses, seconds = _train(model, tokenizer, encoded, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, batch_size=cfg.batch_size,
+                                   seconds=cfg.seconds, seed=cfg.seed)
+    extra = {}
+    if on_policy:
+        t1 = time.perf_counter()
+        visits = student_visits(model, tokenizer, builder, env_ids if len(env_ids) > 1 else env_cfg.id, episodes=int(cfg.on_policy_episodes),
+                                seed=cfg.seed + 1, skills=env_cfg.skills, max_turns=env_cfg.max_turns,
+                                temperature=float(cfg.get("on_policy_temperature", 1.0)), max_general=env_cfg.get("skill_max_general"))
+        log.info("warm start: the student played %d episodes, %d teacher-view samples on its own states (%.0fs)",
+                 cfg.on_policy_episodes, len(visits), time.perf_counter() - t1)
+        mine = [_encode(builder, tokenizer, s, teacher=True) for s in visits]
+        # about half of each further batch comes from the student's own states: a few thousand samples
+        # among tens of thousands of demonstration turns would hardly be seen otherwise
+        encoded += mine * max(1, len(encoded) // max(1, len(mine)))
+        more, more_losses, more_seconds = _train(model, tokenizer, encoded, steps=int(cfg.get("on_policy_steps", 100)), lr=cfg.lr,
+                                                 warmup=cfg.warmup, batch_size=cfg.batch_size, seconds=cfg.seconds, seed=cfg.seed + 1)
+        step, losses, seconds = step + more, losses + more_losses, seconds + more_seconds
+        extra = {"warm_start/on_policy_samples": float(len(visits)),
+                 "warm_start/on_policy_expert_differs": float(np.mean([v["taken"] != v["expert"] for v in visits])) if visits else 0.0}
+    stats = {"warm_start/steps": float(step), "warm_start/loss": float(np.mean(losses[-20:])) if losses else float("nan"),
+             "warm_start/seconds": seconds, "warm_start/samples": float(len(encoded)), **extra}
+    tmp = cached.with_suffix(".tmp")
+    torch.save(model.state_dict(), tmp)
+    os.replace(tmp, cached)
+    log.info("warm start: %s", stats)
+    print(f"warm start: {step} steps in {stats['warm_start/seconds']:.0f}s, final loss {stats['warm_start/loss']:.3f}")
+    return stats
+
+
+def _train(model, tokenizer, encoded: list[tuple[list[int], list[int]]], *, steps: int, lr: float, warmup: int, batch_size: int,
+           seconds: float, seed: int) -> tuple[int, list[float], float]:
+    """Supervised steps on ``(prompt, reply)`` pairs (loss on the reply tokens), cosine lr after a linear warmup;
+    returns (steps taken, losses, seconds)."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    total = cfg.steps
-    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
     model.train()
     t0, step, losses = time.perf_counter(), 0, []
-    while step < total and time.perf_counter() - t0 < cfg.seconds:
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup)) * 0.5 * (1 + math.cos(math.pi * step / total))
+    while step < steps and time.perf_counter() - t0 < seconds:
         for group in opt.param_groups:
-            group["lr"] = lr
-        idx = torch.randint(len(encoded), (cfg.batch_size,), generator=gen).tolist()
-        rows = [encoded[i] for i in idx]
+            group["lr"] = lr * min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        rows = [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=gen).tolist()]
         width = max(len(p) + len(a) for p, a in rows)
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -154,8 +258,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
             ids[r, : len(p) + len(a)] = torch.tensor(p + a)
             attn[r, : len(p) + len(a)] = 1
             target[r, len(p) : len(p) + len(a)] = True
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        lp = token_logprobs(logits, ids[:, 1:])
+        lp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
         mask = target[:, 1:]
         loss = -(lp * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)
@@ -164,13 +267,6 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         opt.step()
         losses.append(float(loss.detach()))
         step += 1
-        if step % max(1, total // 10) == 0 and step < total:
-            log.info("warm start: step %d/%d, loss %.3f (%.0fs)", step, total, float(np.mean(losses[-10:])), time.perf_counter() - t0)
-    stats = {"warm_start/steps": float(step), "warm_start/loss": float(np.mean(losses[-20:])) if losses else float("nan"),
-             "warm_start/seconds": time.perf_counter() - t0, "warm_start/samples": float(len(encoded))}
-    tmp = cached.with_suffix(".tmp")
-    torch.save(model.state_dict(), tmp)
-    os.replace(tmp, cached)
-    log.info("warm start: %s", stats)
-    print(f"warm start: {step} steps in {stats['warm_start/seconds']:.0f}s, final loss {stats['warm_start/loss']:.3f}")
-    return stats
+        if step % max(1, steps // 10) == 0 and step < steps:
+            log.info("warm start: step %d/%d, loss %.3f (%.0fs)", step, steps, float(np.mean(losses[-10:])), time.perf_counter() - t0)
+    return step, losses, time.perf_counter() - t0

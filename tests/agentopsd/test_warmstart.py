@@ -66,3 +66,84 @@ def test_demonstrations_from_several_env_ids_take_turns(tmp_path):
     write_demonstrations(ids, shard, episodes=4, noise=0.0, seed=0, skills="babyai", max_turns=40)
     firsts = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False) if s["__key__"].endswith("_000")]
     assert [f["task"].split()[0] for f in firsts] == ["pick", "go", "pick", "go"]
+
+
+KEYDOOR = "agentopsd/BabyAI-KeyDoorBoxS5-v0"
+SPLIT = "babyai_keydoor_split"
+
+
+@pytest.fixture(scope="module")
+def keydoor_policy(tmp_path_factory):
+    from agentopsd.tiny import tiny_policy
+
+    return tiny_policy(KEYDOOR, skills=SPLIT, vocab_size=400, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64,
+                       num_kv_heads=1, text_episodes=4, cache_dir=str(tmp_path_factory.mktemp("tok")))
+
+
+def _builder(tok):
+    from agentopsd.prompts import PromptBuilder
+
+    return PromptBuilder(tok, output_format="action", history_window=0, max_prompt_tokens=1024, show_admissible=False, system_prompt="Act.")
+
+
+def test_action_scores_are_the_reply_log_probabilities(keydoor_policy) -> None:
+    """One batched pass equals scoring each reply alone (padding must not leak into a shorter reply)."""
+    import torch
+
+    from agentopsd.losses import token_logprobs
+    from agentopsd.warmstart import _reply, action_scores
+
+    model, tok = keydoor_policy
+    prompt = _builder(tok).build("pick up the red box", [], "You see: no objects.", None)
+    actions = ["turn left", "pick up", "go forward", "done"]
+    batched = action_scores(model, tok, prompt, actions)
+    for a, got in zip(actions, batched):
+        ids = torch.tensor([prompt + _reply(tok, a)])
+        with torch.no_grad():
+            lp = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0, len(prompt) - 1:]
+        assert abs(float(lp.sum()) - float(got)) < 1e-4
+
+
+def test_student_visits_label_the_students_own_informed_turns(keydoor_policy) -> None:
+    """The untrained student wanders (at a high temperature: untrained, it all but always says its shortest
+    reply); every returned turn shows a skill, carries the expert's action for that state, and the student's
+    sampled action; turns that show no skill are not returned."""
+    from agentopsd.skills import SkillBank
+    from agentopsd.warmstart import student_visits
+
+    model, tok = keydoor_policy
+    visits = student_visits(model, tok, _builder(tok), KEYDOOR, episodes=6, seed=0, skills=SPLIT, max_turns=32, temperature=100.0)
+    bank = SkillBank.for_env(SPLIT)
+    assert visits, "six random episodes of 32 turns should face the key, the door or the box at least once"
+    actions = {"turn left", "turn right", "go forward", "pick up", "drop", "toggle", "done"}
+    for v in visits:
+        assert v["skill"] and v["skill"] == bank.block("", v["task"], v["observation"])
+        assert v["expert"] in actions and v["taken"] in actions
+    # the same seed plays the same episodes
+    again = student_visits(model, tok, _builder(tok), KEYDOOR, episodes=6, seed=0, skills=SPLIT, max_turns=32, temperature=100.0)
+    assert [(v["observation"], v["taken"]) for v in again] == [(v["observation"], v["taken"]) for v in visits]
+
+
+def test_split_skill_file_tells_the_door_with_and_without_its_key() -> None:
+    from agentopsd.skills import SkillBank
+
+    bank = SkillBank.for_env(SPLIT)
+    base = "Mission: pick up the red box\nYou see: a locked red door right in front of you.\nWalls: x.\n"
+    assert bank.situational(base + "You are carrying a red key.\nLast action: x").categories == ("door",)
+    assert bank.situational(base + "You are carrying nothing.\nLast action: x").categories == ("keyless_door",)
+    assert bank.situational(base + "You are carrying a blue key.\nLast action: x").categories == ()
+
+
+def test_on_policy_teacher_samples_need_a_skill_file(tmp_path, keydoor_policy) -> None:
+    from omegaconf import OmegaConf
+
+    from agentopsd.warmstart import warm_start
+
+    model, tok = keydoor_policy
+    env = OmegaConf.create({"id": KEYDOOR, "skills": None, "max_turns": 8, "history_window": 0, "show_admissible": False,
+                            "system_prompt": "Act.", "output_format": "action", "max_prompt_tokens": 512})
+    ws = OmegaConf.create({"episodes": 2, "noise": 0.0, "teacher_fraction": 0.5, "seed": 0, "lr": 1e-3, "batch_size": 4,
+                           "warmup": 1, "steps": 1, "seconds": 60, "on_policy_episodes": 2})
+    with pytest.raises(ValueError, match="on_policy_episodes"):
+        warm_start(model, tok, env, ws, tmp_path)
+    assert not list(tmp_path.iterdir())  # refused before any demonstration was written
