@@ -88,6 +88,36 @@ def pairwise_accuracy(signal: Sequence[float], truth: Sequence[float], margin: f
     return float(score[eligible].sum() / n), n
 
 
+def pair_classes(signal: Sequence[float], truth: Sequence[float], kinds: Sequence[str], margin: float = 0.0,
+                 routine: str = "routine") -> dict[tuple[str, str], list[float]]:
+    """The pairs of one trajectory that touch an informed turn, by class, each with its score.
+
+    A class is ``("<kind>:<sign>", "<kind>:<sign>")``: the informed turn's kind (its situation) and the sign of
+    its truth (``+``, ``0``, ``-``), then the other turn's (``routine`` when the teacher view knew nothing
+    there). Of two informed turns the earlier comes first. Pairs qualify as in :func:`pairwise_accuracy`
+    (truths differing by more than ``margin``); a score is 1 when the signal orders the pair as the truth
+    does, 0 when reversed, 1/2 when the signal ties. Which classes the signal gets wrong says why an
+    accuracy is low: a sharp evidence at informed turns against exactly 0 on routine ones orders every
+    informed-against-routine pair by the informed turn alone.
+    """
+    s, t = np.asarray(signal, dtype=float), np.asarray(truth, dtype=float)
+    if not (s.shape == t.shape == (len(kinds),)):
+        raise ValueError(f"signal, truth and kinds must be 1-D of one length, got {s.shape}, {t.shape} and {len(kinds)}")
+
+    def name(k: int) -> str:
+        return f"{kinds[k]}:{'+' if t[k] > 0 else '-' if t[k] < 0 else '0'}"
+
+    out: dict[tuple[str, str], list[float]] = {}
+    for i in range(len(t)):
+        for j in range(i + 1, len(t)):
+            if abs(t[i] - t[j]) <= margin or (kinds[i] == routine and kinds[j] == routine):
+                continue
+            a, b = (j, i) if kinds[i] == routine else (i, j)
+            right = np.sign(s[i] - s[j]) == np.sign(t[i] - t[j])
+            out.setdefault((name(a), name(b)), []).append(1.0 if right else 0.5 if s[i] == s[j] else 0.0)
+    return out
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A mean over trajectories with its 95% bootstrap interval."""

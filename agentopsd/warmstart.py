@@ -222,7 +222,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         # about half of each further batch comes from the student's own states: a few thousand samples
         # among tens of thousands of demonstration turns would hardly be seen otherwise
         encoded += mine * max(1, len(encoded) // max(1, len(mine)))
-        more, more_losses, more_seconds = _train(model, tokenizer, encoded, steps=int(cfg.get("on_policy_steps", 100)), lr=cfg.lr,
+        more, more_losses, more_seconds = _train(model, tokenizer, encoded, steps=int(cfg.get("on_policy_steps", 200)), lr=cfg.lr,
                                                  warmup=cfg.warmup, batch_size=cfg.batch_size, seconds=cfg.seconds, seed=cfg.seed + 1)
         step, losses, seconds = step + more, losses + more_losses, seconds + more_seconds
         extra = {"warm_start/on_policy_samples": float(len(visits)),

@@ -35,6 +35,7 @@ import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* env ids)
 from agentopsd.credit_quality import (  # noqa: E402
     cluster_bootstrap_mean,
     credit_quality,
+    pair_classes,
     paired_accuracy_difference,
     pairwise_accuracy,
 )
@@ -325,6 +326,28 @@ def mc_truths(run: Path, cfg: dict, trajs: list[LoggedTrajectory], samples: int,
     return {id(t): saved[key[id(t)]] for t in wanted}
 
 
+def pair_class_table(pair_scores: dict[tuple[str, ...], list[float]], top: int = 12) -> list[str]:
+    """Markdown lines: per algorithm and rung, the most frequent classes of pairs touching an informed turn
+    (against the expert label, all stages), with the share the evidence and the credit order as the truth does."""
+    groups: dict[tuple[str, str], dict[tuple[str, str], dict[str, list[float]]]] = defaultdict(lambda: defaultdict(dict))
+    for (alg, level, a, b, signal), scores in pair_scores.items():
+        groups[(alg, level)][(a, b)][signal] = scores
+    if not groups:
+        return []
+    lines = ["", "Pairs that touch an informed turn, by class, against the expert label (all stages): the informed turn's "
+                 "situation and the sign of its expert gain, then the other turn's (`routine`: the teacher view knew nothing "
+                 f"there); pairs, and the share ordered as the label orders them (ties 1/2) by the evidence e_k and by the "
+                 f"credit sign(A) w_k. The {top} most frequent classes per algorithm and rung.", "",
+             "| algorithm | env | informed turn | other turn | pairs | evidence right | credit right |", "|---|---|---|---|---|---|---|"]
+    for (alg, level), classes in sorted(groups.items()):
+        ranked = sorted(classes.items(), key=lambda kv: -max(len(v) for v in kv[1].values()))[:top]
+        for (a, b), by_signal in ranked:
+            n = max(len(v) for v in by_signal.values())
+            share = {sig: f"{np.mean(by_signal[sig]):.2f}" if sig in by_signal else "n/a" for sig in ("evidence", "credit")}
+            lines.append(f"| {alg} | {level} | {a} | {b} | {n} | {share['evidence']} | {share['credit']} |")
+    return lines
+
+
 def stage_key(stage: str) -> tuple[int, int]:
     """Thirds of a run in order, then Monte Carlo iterations in order."""
     if stage in STAGES:
@@ -394,6 +417,7 @@ def main() -> None:
     kind_signal: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     kind_count: dict[tuple[str, str, str], int] = defaultdict(int)
     action_evidence: dict[tuple[str, str, str, str], list[float]] = defaultdict(list)
+    pair_scores: dict[tuple[str, ...], list[float]] = defaultdict(list)
     # (truth, env, stage) -> (run, rule -> ordering, truth) per trajectory: every rule on the same rollouts
     rule_cells: dict[tuple[str, str, str], list[tuple[str, dict[str, list[float]], list[float]]]] = defaultdict(list)
     rule_runs: list[tuple[str, int, float]] = []
@@ -434,6 +458,10 @@ def main() -> None:
                     # informed turns: the teacher view held something the student view did not
                     rule_cells[(truth, level, stage)].append((run.name, rules[id(traj)], values_t,
                                                               [kind != "routine" for kind in kinds]))
+            for signal in ("evidence", "credit"):
+                if signal in signals and any(kind != "routine" for kind in kinds):
+                    for cls, scores in pair_classes(signals[signal], gains, kinds, margin=args.margin).items():
+                        pair_scores[(traj.algorithm, level, *cls, signal)] += scores
             for turn, label, kind in zip(traj.turns, labels, kinds):
                 label_count[(traj.algorithm, label)] += 1
                 kind_count[(traj.algorithm, kind, label)] += 1
@@ -486,6 +514,7 @@ def main() -> None:
         lines += ["", "Evidence e_k on the informed turns by the action taken and the stage (thirds of each run's logged "
                       "iterations): mean (turns), most frequent actions first. A skill that helps gives the right action "
                       "e_k > 0 and the wrong one e_k < 0.", ""] + by_action
+    lines += pair_class_table(pair_scores)
     rule_table = rules_table(rule_cells, args)
     if rule_table:
         lines += ["", "## Every credit rule on the same rollouts", "",

@@ -10,6 +10,7 @@ from agentopsd.credit_quality import (
     average_ranks,
     bootstrap_mean,
     credit_quality,
+    pair_classes,
     paired_accuracy_difference,
     pairwise_accuracy,
     spearman,
@@ -117,3 +118,28 @@ def test_among_counts_only_the_pairs_of_marked_turns():
     # paired: the uniform signal ties all three of turn 2's pairs (1/2 each)
     d = paired_accuracy_difference([signal], [[1.0] * 4], [truth], among=[[False, False, True, False]], resamples=10)
     assert d.mean == pytest.approx(2 / 3 - 1 / 2) and d.n == 1
+
+
+def test_pair_classes_name_what_a_sharp_informed_evidence_gets_wrong():
+    """Hand-built: a wasted no-op at an informed turn (truth 0) flagged -5, routine turns at exactly 0 evidence.
+    It is rightly below routine progress (+1) and wrongly below a routine step away (-1)."""
+    kinds = ["routine", "door", "routine", "routine"]
+    truth = [1.0, 0.0, -1.0, 1.0]
+    evidence = [0.0, -5.0, 0.0, 0.0]
+    got = pair_classes(evidence, truth, kinds)
+    assert got == {("door:0", "routine:+"): [1.0, 1.0], ("door:0", "routine:-"): [0.0]}
+    # routine pairs never enter: their ordering says nothing about what the teacher view knew
+    assert all("routine" not in a for a, _ in got)
+    # the scores are pairwise_accuracy's over the pairs that touch an informed turn
+    acc, n = pairwise_accuracy(evidence, truth, among=[k != "routine" for k in kinds])
+    flat = [x for v in got.values() for x in v]
+    assert n == len(flat) and acc == pytest.approx(sum(flat) / n)
+
+
+def test_pair_classes_two_informed_turns_keep_their_order_and_ties_score_half():
+    got = pair_classes([0.0, 0.0, 2.0], [1.0, -1.0, 0.0], ["key", "routine", "box"], margin=0.5)
+    # key:+ vs routine:- tied evidence (1/2); key:+ vs box:0 reversed (0); box:0 vs routine:- right (1)
+    assert got == {("key:+", "routine:-"): [0.5], ("key:+", "box:0"): [0.0], ("box:0", "routine:-"): [1.0]}
+    assert pair_classes([0.0, 1.0], [0.0, 1.0], ["routine", "routine"]) == {}
+    with pytest.raises(ValueError, match="one length"):
+        pair_classes([0.0], [0.0, 1.0], ["routine", "key"])

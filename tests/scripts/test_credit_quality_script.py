@@ -70,3 +70,15 @@ def test_format_errors_and_invalid_actions_are_named_as_such_not_by_their_raw_te
     garbled = LoggedTurn(k=2, action="turn up", observation="You see: a wall.\nLast action: 'turn up' is not an action",
                          valid=False, signals={})
     assert [cq.action_name(t) for t in (stepped, broken, garbled)] == ["toggle", "(format error)", "(invalid action)"]
+
+
+def test_pair_class_table_lists_the_most_frequent_classes_with_both_signals(cq) -> None:
+    scores = {
+        ("agentopsd", "S9", "door:0", "routine:-", "evidence"): [0.0, 0.0, 1.0, 0.0],
+        ("agentopsd", "S9", "door:0", "routine:-", "credit"): [1.0, 1.0, 1.0, 0.0],
+        ("agentopsd", "S9", "key:+", "routine:+", "evidence"): [1.0],
+    }
+    lines = cq.pair_class_table(scores, top=1)
+    assert lines[-1] == "| agentopsd | S9 | door:0 | routine:- | 4 | 0.25 | 0.75 |"
+    assert sum(line.startswith("| agentopsd") for line in lines) == 1  # top=1: the most frequent class only
+    assert cq.pair_class_table({}) == []
