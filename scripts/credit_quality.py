@@ -336,7 +336,7 @@ def pair_class_table(pair_scores: dict[tuple[str, ...], list[float]], top: int =
         return []
     lines = ["", "Pairs that touch an informed turn, by class, against the expert label (all stages): the informed turn's "
                  "situation and the sign of its expert gain, then the other turn's (`routine`: the teacher view knew nothing "
-                 f"there); pairs, and the share ordered as the label orders them (ties 1/2) by the evidence e_k and by the "
+                 "there); pairs, and the share ordered as the label orders them (ties 1/2) by the evidence e_k and by the "
                  f"credit sign(A) w_k. The {top} most frequent classes per algorithm and rung.", "",
              "| algorithm | env | informed turn | other turn | pairs | evidence right | credit right |", "|---|---|---|---|---|---|---|"]
     for (alg, level), classes in sorted(groups.items()):
