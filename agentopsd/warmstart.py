@@ -93,16 +93,7 @@ def write_demonstrations(
 def action_scores(model, tokenizer, prompt: list[int], actions: list[str]) -> torch.Tensor:
     """``[len(actions)]``: the log-probability of each action's whole reply (``<action>..</action><|im_end|>``) after
     ``prompt``, one batched forward pass (the policy restricted to well-formed replies)."""
-    replies = [_reply(tokenizer, a) for a in actions]
-    width = len(prompt) + max(len(r) for r in replies)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    ids = torch.full((len(replies), width), pad, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    target = torch.zeros_like(ids, dtype=torch.bool)
-    for r, reply in enumerate(replies):
-        ids[r, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
-        attn[r, : len(prompt) + len(reply)] = 1
-        target[r, len(prompt) : len(prompt) + len(reply)] = True
+    ids, attn, target = _pack(tokenizer, [(prompt, _reply(tokenizer, a)) for a in actions])
     with torch.no_grad():
         lp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
     return (lp * target[:, 1:]).sum(-1)
@@ -148,6 +139,19 @@ def student_visits(
             env.close()
         model.train(was_training)
     return out
+
+
+def _pack(tokenizer, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(ids, attention mask, reply mask)`` of ``(prompt, reply)`` rows."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), max(len(p) + len(a) for p, a in rows)), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    for r, (p, a) in enumerate(rows):
+        ids[r, : len(p) + len(a)] = torch.tensor(p + a)
+        attn[r, : len(p) + len(a)] = 1
+        target[r, len(p) : len(p) + len(a)] = True
+    return ids, attn, target
 
 
 def _reply(tokenizer, action: str) -> list[int]:
@@ -241,7 +245,6 @@ def _train(model, tokenizer, encoded: list[tuple[list[int], list[int]]], *, step
            seconds: float, seed: int) -> tuple[int, list[float], float]:
     """Supervised steps on ``(prompt, reply)`` pairs (loss on the reply tokens), cosine lr after a linear warmup;
     returns (steps taken, losses, seconds)."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(seed)
     model.train()
@@ -249,15 +252,7 @@ def _train(model, tokenizer, encoded: list[tuple[list[int], list[int]]], *, step
     while step < steps and time.perf_counter() - t0 < seconds:
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * step / steps))
-        rows = [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=gen).tolist()]
-        width = max(len(p) + len(a) for p, a in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        target = torch.zeros_like(ids, dtype=torch.bool)
-        for r, (p, a) in enumerate(rows):
-            ids[r, : len(p) + len(a)] = torch.tensor(p + a)
-            attn[r, : len(p) + len(a)] = 1
-            target[r, len(p) : len(p) + len(a)] = True
+        ids, attn, target = _pack(tokenizer, [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=gen).tolist()])
         lp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
         mask = target[:, 1:]
         loss = -(lp * mask).sum() / mask.sum()
