@@ -3,6 +3,8 @@
     python scripts/ladder.py --jobs 2                                   # the whole grid (resumable)
     python scripts/ladder.py --levels KeyDoorBoxS5 --seeds 0 1 --iterations 2 --out /tmp/ladder   # a quick look
     python scripts/ladder.py --table-only                               # rewrite the tables from finished runs
+    python scripts/ladder.py --jobs 1 --seeds 4-13 --levels KeyDoorBoxS9 --methods grpo oracle oracle_wide agentopsd_wide
+                                                                        # the ceiling study (STUDY_METHODS)
 
 Every run is ``train.py experiment=keydoor`` with the rung, algorithm and seed swapped. Pairing: the
 runs of one seed share one warm start (trained once on demonstrations from every rung, loaded by
@@ -58,6 +60,19 @@ CODE_PATHS = ("agentopsd", "envs", "callbacks", "conf", "train.py", "pyproject.t
 """The trained code (agentopsd/envs, /callbacks and /conf link to the top-level folders)."""
 CREDIT_METHODS = ("agentopsd",)
 """Methods whose runs ``credit_archive`` keeps: AgentOPSD's shards log the evidence every credit rule is recomputed from."""
+ORACLE = ("algorithm._target_=agentopsd.study.oracle.OracleOPSD", "+algorithm.max_turns=${env.max_turns}",
+          "+algorithm.env_kwargs=${oc.select:env.kwargs,null}")
+"""AgentOPSD with the teacher-student gap replaced by the expert's path saved by each turn (agentopsd/study/oracle.py)."""
+WIDE = ("algorithm.mult_lambda=1.0", "algorithm.mult_band=0.5")
+"""The widest lever: the multiplier alone (no GRPO half) in [0.5, 1.5]; a turn's advantage moves by up to 50%, never
+across 0 (the paper's lam 0.5 and b 0.2 move it by at most 10%)."""
+STUDY_METHODS = {
+    "oracle": ("agentopsd", (*ORACLE, "algorithm.name=oracle")),
+    "oracle_wide": ("agentopsd", (*ORACLE, "algorithm.name=oracle_wide", *WIDE)),
+    "agentopsd_wide": ("agentopsd", ("algorithm.name=agentopsd_wide", *WIDE)),
+}
+"""The ceiling study's cells (``--methods oracle oracle_wide agentopsd_wide``): a conf/algorithm file and overrides;
+any other method name is a conf/algorithm file of its own."""
 DIAGNOSTICS = ["rollout/success", "credit/evidence_outcome_corr", "credit/mean_abs_revision", "credit/evidence_mean"]
 
 
@@ -66,9 +81,15 @@ def evals(rows: list[dict[str, float]]) -> dict[int, dict[str, float]]:
     return {int(r["eval/iteration"]): r for r in rows if "eval/success" in r and "eval/iteration" in r}
 
 
+def method_overrides(method: str) -> list[str]:
+    """The train.py overrides that select ``method``: its conf/algorithm file, or a study cell's file and overrides."""
+    base, extra = STUDY_METHODS.get(method, (method, ()))
+    return [f"algorithm={base}", *extra]
+
+
 def _train(code: Path, run_dir: Path, level: str, method: str, seed: int, iterations: int, extra: list[str]) -> int:
     cmd = [sys.executable, "train.py", "experiment=keydoor", f"env.id={env_id(level)}", f"env.max_turns={LEVELS[level]}",
-           f"algorithm={method}", f"seed={seed}", f"num_iterations={iterations}", f"output_dir={run_dir}",
+           *method_overrides(method), f"seed={seed}", f"num_iterations={iterations}", f"output_dir={run_dir}",
            "trainer.enable_progress_bar=false", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HYDRA_FULL_ERROR": "1"}
     with (run_dir / "stdout.log").open("a") as log:

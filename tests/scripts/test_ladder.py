@@ -264,3 +264,27 @@ def test_a_seeds_warm_start_is_made_from_every_rung_whatever_the_levels_run(ladd
     assert level == "KeyDoorBoxS9" and "model.env_id=agentopsd/BabyAI-KeyDoorBoxS9-v0" in extra
     mixed = next(a for a in extra if a.startswith("warm_start.env_ids="))
     assert all(f'"agentopsd/BabyAI-{lv}-v0"' in mixed for lv in ("KeyDoorBoxS5", "KeyDoorBoxS7", "KeyDoorBoxS9"))
+
+
+def test_the_ceiling_studys_cells_select_the_oracle_and_the_wide_lever(ladder) -> None:
+    """--methods oracle oracle_wide agentopsd_wide: AgentOPSD's config with the oracle's class and the wide lever,
+    composed as train.py composes them; any other method is its conf/algorithm file."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from agentopsd.algorithms import AgentOPSD
+    from agentopsd.study.oracle import OracleOPSD
+
+    assert ladder.method_overrides("gigpo") == ["algorithm=gigpo"]
+    made = {}
+    for method in ("oracle", "oracle_wide", "agentopsd_wide"):
+        overrides = ["experiment=keydoor", f"env.id={ladder.env_id('KeyDoorBoxS9')}", f"env.max_turns={ladder.LEVELS['KeyDoorBoxS9']}",
+                     *ladder.method_overrides(method)]
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+            made[method] = instantiate(compose("config", overrides=overrides).algorithm)
+        assert made[method].name == method
+    assert isinstance(made["oracle"], OracleOPSD) and made["oracle"].max_turns == 60
+    assert (made["oracle"].mult_lambda, made["oracle"].mult_band) == (0.5, 0.2)
+    assert isinstance(made["oracle_wide"], OracleOPSD) and (made["oracle_wide"].mult_lambda, made["oracle_wide"].mult_band) == (1.0, 0.5)
+    wide = made["agentopsd_wide"]
+    assert type(wide) is AgentOPSD and (wide.mult_lambda, wide.mult_band) == (1.0, 0.5)

@@ -211,3 +211,17 @@ def test_hydra_selects_the_oracle_on_the_keydoor_experiment() -> None:
         cfg = compose("config", overrides=overrides)
     algo = instantiate(cfg.algorithm)
     assert isinstance(algo, OracleOPSD) and algo.max_turns == 60 and algo.mult_band == 0.5 and algo.name == "oracle"
+
+
+def test_the_trainers_batch_carries_what_the_oracle_reads(group) -> None:
+    """A RolloutBatch as the module builds it (collate_trajectories), the teacher view's log-probs filled in."""
+    from agentopsd.data import collate_trajectories
+
+    trajs, _ = group
+    rb = collate_trajectories(trajs, pad_id=0)
+    rb.student_logprobs = torch.zeros_like(rb.old_logprobs)
+    rb.teacher_logprobs = torch.where(rb.action_mask, -0.5 * (rb.turn_index % 4 == 0).float()[:, None], torch.zeros(()))
+    credit = OracleOPSD(max_turns=MAX_TURNS).assign(rb)
+    want = {"beliefs", "revisions", "multipliers", "evidence", "turn_mask", "teacher_evidence", "expert_gain", "oracle_scale"}
+    assert want <= set(rb.credit) and credit["expert_gain"].shape == credit["turn_mask"].shape
+    assert rb.advantages.shape == rb.action_mask.shape and rb.turn_advantages.shape == rb.turn_traj.shape
