@@ -126,11 +126,11 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Rol
     fault must not pass as a failure with a wrong reward.
     """
     kept = [t for t in trajectories if t.fault is None and t.turns]
-    if not kept:
-        raise RuntimeError("every trajectory of this batch faulted or had no turns: nothing to train on")
+    # no rows at all (every episode of this rank faulted): an empty batch, whose update issues only the
+    # dummy passes the other ranks' rows need (the rank invariant), rather than an error on one rank
     rows = [(i, turn) for i, traj in enumerate(kept) for turn in traj.turns]
-    width = max(len(t.prompt_ids) + len(t.action_ids) for _, t in rows)
-    t_width = max(len(t.teacher_prompt_ids) + len(t.action_ids) for _, t in rows)
+    width = max((len(t.prompt_ids) + len(t.action_ids) for _, t in rows), default=1)
+    t_width = max((len(t.teacher_prompt_ids) + len(t.action_ids) for _, t in rows), default=1)
     m = len(rows)
     input_ids = torch.full((m, width), pad_id, dtype=torch.long)
     attention = torch.zeros((m, width), dtype=torch.long)

@@ -19,11 +19,19 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from agentopsd import distributed
 from agentopsd.algorithms import Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import TaskBatch, collate_trajectories
-from agentopsd.distributed import all_max, is_distributed, rank_and_world, shard_groups
-from agentopsd.evaluation import evaluate_trajectories
+from agentopsd.distributed import (
+    is_distributed,
+    padded,
+    rank_and_world,
+    reduce_metrics,
+    shard_groups,
+    shard_items,
+)
+from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
 from agentopsd.losses import aggregate, clipped_policy_loss, distillation_loss, token_entropy, token_logprobs
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.prompts import PromptBuilder
@@ -110,6 +118,21 @@ def _logits_to_keep_form(model: nn.Module) -> str:
     if hasattr(mu, "slice_logits_to_keep") and "logits_to_keep" in inspect.signature(model.forward).parameters:
         return "mask"  # the boolean-mask form arrived with slice_logits_to_keep
     return "hook" if callable(getattr(model, "get_output_embeddings", None)) else "none"
+
+
+_SUMMED = ("rollout/format_errors", "rollout/invalid_actions", "rollout/faults", "rollout/trajectories",
+           "rollout/trajectories_used", "rollout/history_trimmed", "rollout/skill_trimmed")
+_SHARED_TERMS = ("pg_loss", "kl_loss", "distill_loss", "entropy")
+"""Loss terms normalised by the whole mini-batch's count over every rank (each rank holds a share)."""
+
+
+def _metric_rule(key: str) -> str:
+    """How a metric combines over ranks (:func:`agentopsd.distributed.reduce_metrics`)."""
+    if key in _SUMMED or key.endswith("tokens_per_s"):
+        return "sum"  # counts of the whole batch; throughput of the whole job
+    if key.endswith("_seconds") or key.endswith("_max") or key in ("loss/first_ratio_dev", "perf/peak_memory_gib"):
+        return "max"  # the slowest rank sets the pace; the worst rank's deviation
+    return "mean"
 
 
 class AgentRLModule(L.LightningModule):
@@ -221,9 +244,8 @@ class AgentRLModule(L.LightningModule):
             return VLLMGenerator(self.model_path, self.tokenizer, **self.rollout_cfg.vllm)
         from agentopsd.rollout.hf import HFGenerator
 
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        # under sharding every rank must run every forward, or ranks that finish early hang
-        generator = HFGenerator(self.model, self.tokenizer, synced_gpus=distributed)
+        # several ranks: every rank runs every forward (the rank invariant, agentopsd.distributed)
+        generator = HFGenerator(self.model, self.tokenizer, synced_gpus=is_distributed())
         if self.rollout_cfg.malformed_rate > 0:
             from agentopsd.rollout.chaos import MalformedGenerator
 
@@ -304,13 +326,15 @@ class AgentRLModule(L.LightningModule):
             self.model.train(was_training)
         self.iteration = batch.iteration
         self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
-        self.rollout_metrics = self._rollout_metrics(trajectories, collector)
+        metrics = self._rollout_metrics(trajectories, collector)
         # faulted trajectories are left out of the update: this says how many were used
-        self.rollout_metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
-        self.rollout_metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
+        metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
+        metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
         if backend_gap is not None and backend_gap.numel():
-            self.rollout_metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
-            self.rollout_metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
+            metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
+            metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
+        # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
+        self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=_metric_rule)
         return rb
 
     @staticmethod
@@ -418,15 +442,16 @@ class AgentRLModule(L.LightningModule):
             return out
         step = self.optim_cfg.micro_batch_size
         starts = list(range(0, ids.shape[0], step))
-        # under sharding every forward is a collective: ranks with fewer rows run dummy forwards
-        padding = all_max(len(starts)) - len(starts) if self._sharded else 0
+        if self._sharded:  # every forward is a collective: ranks with fewer rows run dummy forwards
+            starts = padded(starts, f"scoring/{view}-forwards")
         with torch.set_grad_enabled(with_grad):
             for start in starts:
+                if start is None:
+                    self._action_logits(*self._placeholder_rows(), model)
+                    continue
                 sl = slice(start, start + step)
                 logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl], model)
                 pieces.append(token_logprobs(logits / temperature, targets))
-            for _ in range(padding):
-                self._action_logits(ids[:1], attn[:1], amask[:1], model)
         # boolean indexing is row-major, so the two views' action tokens line up one to one
         out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
         return out
@@ -451,13 +476,19 @@ class AgentRLModule(L.LightningModule):
             raise Preempted(self.stop_request.signal_name, self.iteration, update_done=True)
 
     def update(self, batch: RolloutBatch, batch_idx: int) -> tuple[dict[str, float], Tensor]:
-        """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss."""
+        """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss.
+
+        Several ranks: each mini-batch's loss is normalised by the token (or row) count of that
+        mini-batch over *every* rank and scaled by the world size, so that the gradient reduction's
+        average over ranks gives exactly the gradient of one process holding all the rows.
+        """
         if batch.advantages is None:
             raise RuntimeError("the batch has no advantages: add agentopsd.callbacks.credit.CreditCallback to the Trainer's callbacks")
         t0 = time.perf_counter()
         opt = self.optimizers()
         sched = self.lr_schedulers()
         algo, cfg = self.algorithm, self.optim_cfg
+        _, world = rank_and_world()
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         stats_log: dict[str, list[float]] = {}
         losses = []
@@ -467,43 +498,25 @@ class AgentRLModule(L.LightningModule):
             # tensor_split always gives num_mini_batches pieces, so every rank steps the optimizer alike
             for mb in torch.tensor_split(perm, cfg.num_mini_batches):
                 opt.zero_grad(set_to_none=True)
-                normalizer = max(1.0, float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb)))
                 # rows sharing a prompt prefix side by side, so a micro-batch runs each shared prefix once
                 # (gradient accumulation: the split does not change the summed gradient)
-                micros = list(mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])].split(cfg.micro_batch_size))
-                # DDP all-reduces and FSDP reduce-scatters in every backward: pad to the ranks' maximum
-                for _ in range(all_max(len(micros)) - len(micros) if is_distributed() else 0):
-                    self.manual_backward(self.action_logprobs(batch, "student", perm[:1], grad=True).sum() * 0.0)
+                micros = [m for m in mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])].split(cfg.micro_batch_size) if len(m)]
+                local = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
+                # one agreement per mini-batch: its micro-batch count (a backward each: DDP all-reduces,
+                # FSDP gathers and reduce-scatters) and its token count over every rank
+                counts = distributed.exchange([len(micros), local], "update/micro-batches") if world > 1 else [[len(micros), local]]
+                normalizer = max(1.0, sum(c[1] for c in counts))
+                micros += [None] * (int(max(c[0] for c in counts)) - len(micros))
                 for micro in micros:
-                    if algo.entropy_coef > 0:
-                        lp, entropy = self._logprobs_and_entropy(batch, micro)
-                    else:
-                        lp = self.action_logprobs(batch, "student", micro, grad=True)
-                    mask = batch.action_mask[micro]
-                    loss, st = clipped_policy_loss(
-                        lp, batch.old_logprobs[micro], batch.advantages[micro], mask,
-                        eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
-                        ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[micro], kl_coef=algo.kl_coef,
-                    )
-                    if algo.needs_teacher_logits:
-                        loss = loss + algo.distill_coef * self._distill(batch, micro, normalizer)
-                    teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[micro]
-                    extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[micro], mask, normalizer)
-                    if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
-                        loss = loss + extra
-                        stats_log.setdefault("distill_loss", []).append(float(extra.detach()))
-                    if algo.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
-                        mean_entropy = aggregate(entropy, mask, algo.aggregation, normalizer)
-                        loss = loss - algo.entropy_coef * mean_entropy
-                        stats_log.setdefault("entropy", []).append(float(mean_entropy.detach()))
-                    if first:
-                        ratio = torch.exp(lp.detach() - batch.old_logprobs[micro])[mask]
-                        dev = float((ratio - 1).abs().max()) if ratio.numel() else 0.0
-                        self.first_ratio_dev = max(self.first_ratio_dev, dev) if micro is not micros[0] else dev
-                    self.manual_backward(loss)
-                    losses.append(float(loss.detach()))
-                    for k, v in vars(st).items():
-                        stats_log.setdefault(k, []).append(float(v))
+                    if micro is None:  # a dummy pass through the same code, contributing nothing
+                        dummy, rows = self._placeholder_batch()
+                        self.manual_backward(self._micro_loss(dummy, rows, normalizer, None)[0] * 0.0)
+                        continue
+                    loss, ratio_dev = self._micro_loss(batch, micro, normalizer, stats_log)
+                    if first:  # max |ratio - 1| over the first mini-batch: 0 when the data is on-policy
+                        self.first_ratio_dev = ratio_dev if micro is micros[0] else max(self.first_ratio_dev, ratio_dev)
+                    self.manual_backward(loss * world)
+                    losses.append(float(loss.detach()) * world)
                 first = False
                 self._optimizer_step(opt, sched, stats_log)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
@@ -513,30 +526,86 @@ class AgentRLModule(L.LightningModule):
         self.phase_seconds["update"] = time.perf_counter() - t0
         metrics.update({f"perf/{k}_seconds": v for k, v in self.phase_seconds.items()})
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(self.phase_seconds["update"], 1e-9)
-        metrics.update(self.rollout_metrics)
         if self.device.type == "cuda":  # rollout, scoring and update so far (vLLM's engine not included)
             metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        metrics = reduce_metrics(metrics, "update/metrics", weight=max(len(losses), 1), rule=_metric_rule)
+        metrics.update(self.rollout_metrics)
         return metrics, torch.tensor(sum(losses) / max(len(losses), 1))
 
-    def _logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, Tensor]:
+    def _micro_loss(self, batch: RolloutBatch, rows: Tensor, normalizer: float,
+                    stats_log: dict[str, list[float]] | None) -> tuple[Tensor, float]:
+        """Every loss term of one micro-batch. Which forwards run depends on the algorithm alone (a
+        teacher forward for ``grpo_opsd``, one student forward otherwise), never on the rows: a dummy
+        pass on a placeholder row issues exactly what a real one does (the rank invariant)."""
+        algo = self.algorithm
+        mask = batch.action_mask[rows]
+        lp, entropy, s_logits = self._logprobs_and_entropy(batch, rows, keep_logits=algo.needs_teacher_logits)
+        loss, st = clipped_policy_loss(
+            lp, batch.old_logprobs[rows], batch.advantages[rows], mask,
+            eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
+            ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[rows], kl_coef=algo.kl_coef,
+        )
+        stats = dict(vars(st))
+        if algo.needs_teacher_logits:
+            loss = loss + algo.distill_coef * self._distill(batch, rows, normalizer, s_logits)
+        teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[rows]
+        extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[rows], mask, normalizer)
+        if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
+            loss = loss + extra
+            stats["distill_loss"] = extra.detach()
+        if algo.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
+            mean_entropy = aggregate(entropy, mask, algo.aggregation, normalizer)
+            loss = loss - algo.entropy_coef * mean_entropy
+            stats["entropy"] = mean_entropy.detach()
+        ratio = torch.exp(lp.detach() - batch.old_logprobs[rows])[mask]
+        if stats_log is not None:
+            world = rank_and_world()[1]  # a rank's loss terms are its share of the mini-batch's (see update)
+            for k, v in stats.items():
+                stats_log.setdefault(k, []).append(float(v) * (world if k in _SHARED_TERMS else 1))
+        return loss, float((ratio - 1).abs().max()) if ratio.numel() else 0.0
+
+    def _logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, keep_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
         """Student log-probs (with gradient) and the policy's entropy at the action positions, both
-        ``[m, L]`` (0 elsewhere), from one forward: the entropy bonus needs the logits."""
+        ``[m, L]`` (0 elsewhere), from one forward; the logits too when ``keep_logits``."""
         mask = batch.action_mask[rows]
         logits, targets = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], mask)
         logits = logits / self.sampling.scoring_temperature
         lp = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
         entropy = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
         lp[mask] = token_logprobs(logits, targets)
-        entropy[mask] = token_entropy(logits)
-        return lp, entropy
+        if self.algorithm.entropy_coef > 0:
+            entropy[mask] = token_entropy(logits)
+        return lp, entropy, (logits if keep_logits else None)
 
-    def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float) -> Tensor:
+    def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float, s_logits: Tensor | None = None) -> Tensor:
         with torch.no_grad():
             t_logits, _ = self._action_logits(batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows])
-        s_logits, _ = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], batch.action_mask[rows])
+        if s_logits is None:
+            s_logits, _ = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], batch.action_mask[rows])
         ones = torch.ones(1, s_logits.shape[0], dtype=torch.bool, device=s_logits.device)
         norm = normalizer if self.algorithm.aggregation == "token-mean" else None
         return distillation_loss(s_logits[None], t_logits[None], ones, normalizer=norm)
+
+    def _placeholder_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(ids, attention, action mask)`` of one 2-token row with one action token: what a dummy forward runs."""
+        ids = torch.full((1, 2), int(self.pad_id), dtype=torch.long, device=self.device)
+        amask = torch.tensor([[False, True]], device=self.device)
+        return ids, torch.ones_like(ids), amask
+
+    def _placeholder_batch(self) -> tuple[RolloutBatch, Tensor]:
+        """A one-row batch for dummy update passes (a rank may have no rows at all), and its row index."""
+        ids, attn, amask = self._placeholder_rows()
+        zeros = torch.zeros(ids.shape, device=self.device)
+        one = torch.ones(1, device=self.device)
+        rb = RolloutBatch(
+            input_ids=ids, attention_mask=attn, action_mask=amask, old_logprobs=zeros,
+            teacher_input_ids=ids, teacher_attention_mask=attn, teacher_action_mask=amask,
+            turn_traj=one.long() * 0, turn_index=one.long() * 0, turn_valid=one.bool(), turn_penalties=one * 0,
+            turn_state=one.long() * 0, success=one * 0, rewards=one * 0, group_ids=one.long() * 0, seq_advantages=one * 0,
+            num_turns=one.long(), student_logprobs=zeros, teacher_logprobs=zeros,
+            ref_logprobs=zeros if self.algorithm.kl_coef > 0 else None, advantages=zeros,
+        )
+        return rb, torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _optimizer_step(self, opt, sched, stats_log: dict[str, list[float]]) -> None:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -587,22 +656,28 @@ class AgentRLModule(L.LightningModule):
             collector = self.collector
             collector.generator.sync_weights(self.model)
             try:
-                tasks = self.eval_tasks()
+                rank, world = rank_and_world()
+                # disjoint shards of the fixed list, one per rank (the collector keeps ranks in step)
+                tasks = shard_items(self.eval_tasks(), rank, world)
                 trajectories = collector.collect(tasks, with_teacher=False, sampling=self.eval_sampling)
                 sampled = []
                 if self.eval_cfg.sampled_copies:
                     copies = [t for t in tasks for _ in range(self.eval_cfg.sampled_copies)]
                     devices = [self.device.index or 0] if self.device.type == "cuda" else []
                     with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
-                        torch.manual_seed(len(copies))
+                        torch.manual_seed(len(copies) + 1_000_003 * rank)
                         sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
             except RolloutStopped:  # the evaluation is dropped; training state is whole
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
             self.model.train(was_training)
-        metrics = evaluate_trajectories(trajectories)
-        if sampled:
-            metrics.update({k.replace("eval/", "eval/sampled/", 1): v for k, v in evaluate_trajectories(sampled).items()})
+        # every rank's episodes, then the same metrics on every rank (one collective)
+        shards = distributed.gather_objects(([EpisodeOutcome.of(t) for t in trajectories], [EpisodeOutcome.of(t) for t in sampled]),
+                                            "evaluation/outcomes")
+        metrics = evaluate_outcomes([o for greedy, _ in shards for o in greedy])
+        sampled_all = [o for _, more in shards for o in more]
+        if sampled_all:
+            metrics.update({k.replace("eval/", "eval/sampled/", 1): v for k, v in evaluate_outcomes(sampled_all).items()})
         metrics["eval/iteration"] = float(self.iterations_done)  # 0 before training
         self.eval_history.append(metrics)
         return metrics

@@ -60,7 +60,7 @@ class StopRequest:
         """True on every rank when any rank was signalled (a collective: every rank must call it)."""
         if not is_distributed():
             return self.requested
-        agreed = any_rank(self.requested)
+        agreed = any_rank(self.requested, "stop-request")
         if agreed and self.signal_name is None:
             self.signal_name = "SIGTERM"  # signalled elsewhere (one rank's signal stops them all)
         return agreed

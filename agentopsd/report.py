@@ -93,10 +93,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
+def _every_shard(urls):
+    """This reader takes every shard (webdataset's default splits them by rank once a process group exists)."""
+    return urls
+
+
 def read_shards(run_dir: Path) -> list[dict]:
     records = []
     for path in sorted((run_dir / "rollouts").glob("rollouts-*.tar")):
-        records += [json.loads(s["json"]) for s in wds.WebDataset(str(path), shardshuffle=False)]
+        records += [json.loads(s["json"]) for s in wds.WebDataset(str(path), shardshuffle=False, nodesplitter=_every_shard)]
     return records
 
 

@@ -73,6 +73,10 @@ def main(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("memory_plan_only", False):  # python train.py +experiment=webshop_7b +memory_plan_only=true
         return {}
     L.seed_everything(cfg.seed, workers=True)
+    if cfg.trainer.get("deterministic"):  # from the warm start on, not only inside the Trainer (which sets it again)
+        import torch
+
+        torch.use_deterministic_algorithms(True)
 
     model, tokenizer = instantiate(cfg.model)
     if cfg.warm_start:
@@ -120,7 +124,16 @@ def main(cfg: DictConfig) -> dict[str, float]:
                 f"resume: {_command()} {' '.join([a for a in sys.argv[1:] if not a.startswith('ckpt_path=')] + ['ckpt_path=last'])}"
             )
         sys.exit(stop.exit_code)
+    except Exception as err:
+        from agentopsd.distributed import is_collective_timeout, is_distributed, timeout_message
 
+        if is_distributed() and is_collective_timeout(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            print(timeout_message(err), file=sys.stderr, flush=True)  # one line: which rank, where it waited
+            os._exit(1)  # a normal exit would wait on the process group that just failed
+        raise
+
+    # the end-of-run steps run once, on rank 0, after every rank has finished training
+    trainer.strategy.barrier("run over")
     history = module.eval_history
     if cfg.report and trainer.is_global_zero:
         from agentopsd.report import write_report

@@ -202,7 +202,7 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         model.load_state_dict(torch.load(cached, map_location="cpu"))
         print(f"warm start: loaded {cached}")
         return {"warm_start/cached": 1.0}
-    samples = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False)]
+    samples = [json.loads(s["json"]) for s in wds.WebDataset(str(shard), shardshuffle=False, nodesplitter=lambda urls: urls)]  # every rank reads it whole
     log.info("warm start: %d supervised steps on %d demonstration turns", cfg.steps, len(samples))
     builder = PromptBuilder(tokenizer, output_format=env_cfg.output_format, history_window=env_cfg.history_window,
                             max_prompt_tokens=env_cfg.max_prompt_tokens, show_admissible=env_cfg.get("show_admissible", True),

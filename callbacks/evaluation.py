@@ -32,8 +32,9 @@ class EvaluationCallback(L.Callback):
         # one numbering everywhere: completed iterations (0 before training), the loggers' step too
         done = int(pl_module.iterations_done)
         log_to_loggers(trainer, metrics, done)
-        log.info("eval (%s, after %d iteration%s): success %.3f on %d episodes", when, done, "" if done == 1 else "s", metrics["eval/success"],
-                 int(metrics.get("eval/episodes", 0)))
+        if trainer.is_global_zero:  # the metrics are pooled over ranks already: one line, not one per rank
+            log.info("eval (%s, after %d iteration%s): success %.3f on %d episodes", when, done, "" if done == 1 else "s",
+                     metrics["eval/success"], int(metrics.get("eval/episodes", 0)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a resumed run already has its pre-training evaluation in the checkpoint

@@ -11,6 +11,10 @@ arrives during it. Then ``last.ckpt`` is written and the run raises
 :class:`agentopsd.preemption.Preempted`, which ``train.py`` turns into a message and exit status
 128 + the signal number. ``ckpt_path=last`` resumes.
 
+A stop never waits forever: a second signal, or ``grace_s`` seconds after the first without a safe
+point (ranks stuck in a collective never reach one), ends the process at once with 128 + the
+signal number; the last good checkpoint stays.
+
 This replaces Lightning's own SIGTERM handling for the fit (which raised at the next batch
 without saving, or waited for a long rollout to end) and restores the previous handlers after.
 """
@@ -18,7 +22,9 @@ without saving, or waited for a long rollout to end) and restores the previous h
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 
 import lightning as L
@@ -32,11 +38,11 @@ log = logging.getLogger(__name__)
 class PreemptionCallback(L.Callback):
     """Installs handlers for ``signals`` during fit; saves through ``checkpoint`` when one arrives."""
 
-    def __init__(self, checkpoint: IterationCheckpoint, signals: tuple[str, ...] = STOP_SIGNALS) -> None:
+    def __init__(self, checkpoint: IterationCheckpoint, signals: tuple[str, ...] = STOP_SIGNALS, grace_s: float = 600.0) -> None:
         unknown = [s for s in signals if not isinstance(getattr(signal, s, None), signal.Signals)]
         if unknown:
             raise ValueError(f"unknown signal names {unknown}; use names like SIGTERM, SIGUSR1")
-        self.checkpoint, self.signals = checkpoint, tuple(signals)
+        self.checkpoint, self.signals, self.grace_s = checkpoint, tuple(signals), float(grace_s)
         self._previous: dict[int, object] = {}
 
     @staticmethod
@@ -56,14 +62,20 @@ class PreemptionCallback(L.Callback):
             log.warning("not on the main thread: SIGTERM/SIGUSR1 will not stop this run cleanly")
             return
 
+        rank = trainer.global_rank
+
         def handler(signum: int, frame: object) -> None:
             name = signal.Signals(signum).name
-            if not request.requested:
-                log.warning(
-                    "rank %d received %s: stopping at the next safe point (the next turn of a rollout, or the "
-                    "end of the current update), then saving a checkpoint", trainer.global_rank, name,
-                )
+            if request.requested:  # a second signal: the user (or the cluster) will not wait
+                _exit_now(rank, name, 128 + signum, "a second signal")
+            log.warning(
+                "rank %d received %s: stopping at the next safe point (the next turn of a rollout, or the "
+                "end of the current update), then saving a checkpoint; a second signal exits at once", rank, name,
+            )
             request.set(name)
+            timer = threading.Timer(self.grace_s, _exit_now, (rank, name, 128 + signum, f"no safe point within {self.grace_s:.0f} s"))
+            timer.daemon = True  # a run that stops cleanly in time exits without waiting for it
+            timer.start()
 
         for name in self.signals:
             num = getattr(signal, name)
@@ -92,3 +104,10 @@ class PreemptionCallback(L.Callback):
             self.checkpoint.save(trainer)
         if trainer.is_global_zero:
             log.warning("%s: checkpoint with %d completed iterations at %s", exception.signal_name, done, self.checkpoint.last_path)
+
+
+def _exit_now(rank: int, signal_name: str, code: int, why: str) -> None:
+    """End the process at once (``os._exit``: a thread stuck in a collective would block a normal exit)."""
+    print(f"rank {rank}: {signal_name}, {why}: exiting now with {code}; resume from the last checkpoint with ckpt_path=last",
+          file=sys.stderr, flush=True)
+    os._exit(code)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -143,18 +144,20 @@ class Collector:
         for ep, res in zip(episodes, results):
             self._start(ep, res, with_teacher)
         synced = is_distributed()
-        for _ in range(self.max_turns):
-            active = [i for i, ep in enumerate(episodes) if not ep.done]
+        # the loop ends when every rank agrees it is over (not after a local count): a rank whose episodes
+        # all ended keeps taking part in the others' forwards until they end too (the rank invariant)
+        for turn in itertools.count():
+            active = [i for i, ep in enumerate(episodes) if not ep.done] if turn < self.max_turns else []
             stop = bool(self.stop_requested is not None and self.stop_requested())
             # one collective per turn answers both questions: max(2 * stop + active) over ranks
-            code = all_max(2 * stop + bool(active)) if synced else 2 * stop + bool(active)
+            code = all_max(2 * stop + bool(active), "rollout/turn") if synced else 2 * stop + bool(active)
             if code >= 2:
                 raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
             if not code:
                 break
             if not active:
-                # other ranks still play: keep entering the sharded forwards with a dummy prompt
-                self.generator.generate([[self.prompts.tokenizer.eos_token_id]], sampling)
+                # other ranks still play: an empty call takes part in their forwards (the rank invariant)
+                self.generator.generate([], sampling)
                 continue
             # both views of a turn from one call: same history window, same trimming, the skill block alone differs
             views = [self._views(episodes[i], with_teacher) for i in active]

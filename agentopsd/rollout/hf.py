@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from agentopsd import distributed
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.scoring import MIN_SHARED_PREFIX, cache_kwarg, pack_by_length, shared_prefixes
 
@@ -41,8 +41,10 @@ class HFGenerator:
     """Batched sampling with a transformers causal LM (CPU or GPU).
 
     Prompts are left-padded into one batch; position ids count real tokens only, so each row sees
-    exactly what it would see alone. ``synced_gpus=True`` keeps every rank stepping until all
-    ranks are done (FSDP gathers parameters inside forward; a rank that stops early hangs the rest).
+    exactly what it would see alone. ``synced_gpus=True`` (set whenever several ranks train) holds
+    the rank invariant (:mod:`agentopsd.distributed`): FSDP gathers parameters inside every forward,
+    so every rank runs the same number of prefill forwards (agreed, then padded with dummy ones) and
+    of decode steps (until every rank is done), and a call with no prompts still takes part.
     """
 
     def __init__(self, model: nn.Module, tokenizer, *, synced_gpus: bool = False) -> None:
@@ -59,6 +61,8 @@ class HFGenerator:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Generation]:
         """One batched call for all prompts; one :class:`Generation` per prompt, in order."""
         if not prompts:
+            if self._lockstep():  # other ranks may be generating: take part with a placeholder prompt
+                self.generate([[self._pad_id()]], sampling)
             return []
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -101,7 +105,13 @@ class HFGenerator:
             return last_logits(ids, attn, pos, cache if into is None else into)
 
         plan = _prefill_plan(prompts, PREFILL_CHUNK_TOKENS) if in_place else None
-        if plan is not None and not plan.is_one_padded_batch(batch):
+        chunked = plan is not None and not plan.is_one_padded_batch(batch)
+        # the rank invariant: how many prefill forwards this call makes depends on its prompts
+        forwards = len(plan.prefix_chunks) + len(plan.chunks) if chunked else 1
+        for _ in range(self._agree(forwards, "rollout/prefill-forwards") - forwards):
+            pad = torch.full((1, 1), self._pad_id(), dtype=torch.long, device=device)
+            forward(pad, torch.ones_like(pad), torch.zeros_like(pad), into=_new_cache(model, capacity=1))
+        if chunked:
             logits = _prefill_in_chunks(model, forward, plan, cache, width, self._pad_id(), device)
         else:  # nothing to save (e.g. one prompt): prefill straight into the cache, no copies
             logits = forward(input_ids, mask[:, :width], position_ids)
@@ -127,7 +137,7 @@ class HFGenerator:
             n_generated[live_rows] = step + 1
             alive &= ~self._finished(token_cpu, alive, rows, out_tokens[:, : step + 1], eos_ids, stop_table, reasons)
             local_done = not bool(alive.any())
-            if step == max_new - 1 or self._all_done(local_done, device):
+            if step == max_new - 1 or self._all_done(local_done):
                 break
             keep = alive.clone()
             if local_done:
@@ -184,12 +194,17 @@ class HFGenerator:
                 reasons[i] = "stop"
         return finished
 
-    def _all_done(self, local_done: bool, device: torch.device) -> bool:
-        if not (self.synced_gpus and dist.is_available() and dist.is_initialized()):
+    def _lockstep(self) -> bool:
+        return self.synced_gpus and distributed.is_distributed()
+
+    def _agree(self, count: int, what: str) -> int:
+        return distributed.agree(count, what) if self._lockstep() else count
+
+    def _all_done(self, local_done: bool) -> bool:
+        """Stop decoding? Under lockstep only when every rank is done (one agreement per step)."""
+        if not self._lockstep():
             return local_done
-        running = torch.tensor([0.0 if local_done else 1.0], device=device)
-        dist.all_reduce(running)
-        return running.item() == 0
+        return not distributed.any_rank(not local_done, "rollout/decode-step")
 
     def _pad_id(self) -> int:
         for tid in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id):

@@ -293,29 +293,33 @@ def test_lora_wrapped_model_generates(model, tok):
     assert [g.token_ids for g in got] == [g.token_ids for g in want]  # LoRA B starts at zero
 
 
-def test_synced_gpus_keeps_stepping_until_every_rank_is_done(model, tok, monkeypatch):
-    """One rank finishes at step 1; a fake all_reduce says another rank runs until step 6."""
-    calls = {"forward": 0, "reduce": 0}
-    model_hook = model.register_forward_hook(lambda *a: calls.__setitem__("forward", calls["forward"] + 1))
+def test_synced_gpus_keeps_stepping_until_every_rank_is_done(model, tok):
+    """Two simulated ranks: rank 0 stops after its first token, rank 1 runs 6; both step 6 times."""
+    import copy
+    import threading
 
-    def fake_all_reduce(tensor, *args, **kwargs):
-        calls["reduce"] += 1
-        tensor.fill_(tensor.item() + (1.0 if calls["reduce"] < 6 else 0.0))
+    from agentopsd.distributed import SimulatedWorld
 
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
     prompts = random_prompts(tok, lengths=(4, 9))
     first = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=1, greedy=True, stop_strings=()))
-    stops = tuple(tok.decode(list(g.token_ids)) for g in first)  # both rows stop after their first token
-    try:
-        calls["forward"] = 0
-        gens = HFGenerator(model, tok, synced_gpus=True).generate(
-            prompts, SamplingConfig(max_new_tokens=20, greedy=True, stop_strings=stops)
-        )
-    finally:
-        model_hook.remove()
-    assert [len(g.token_ids) for g in gens] == [1, 1] and {g.finish_reason for g in gens} == {"stop"}
-    assert calls["reduce"] == 6 and calls["forward"] == 6  # prefill + 5 extra steps in lockstep
+    stops = {0: tuple(tok.decode(list(g.token_ids)) for g in first), 1: ("\x00never",)}
+    world, out, forwards = SimulatedWorld(2, timeout=30), {}, {0: 0, 1: 0}
+
+    def rank(r: int) -> None:
+        m = copy.deepcopy(model)
+        m.register_forward_hook(lambda *a: forwards.__setitem__(r, forwards[r] + 1))
+        with world.rank(r):
+            out[r] = HFGenerator(m, tok, synced_gpus=True).generate(prompts, SamplingConfig(max_new_tokens=6, greedy=True, stop_strings=stops[r]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [len(g.token_ids) for g in out[0]] == [1, 1] and {g.finish_reason for g in out[0]} == {"stop"}
+    assert [len(g.token_ids) for g in out[1]] == [6, 6]
+    assert forwards[0] == forwards[1] == 6  # prefill + 5 decode steps on both ranks
+    assert world.logs[0] == world.logs[1]  # the same agreements, in the same order
 
 
 def _synced_worker(rank: int, init_file: str, results) -> None:

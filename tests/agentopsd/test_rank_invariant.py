@@ -1,0 +1,134 @@
+"""The rank invariant, checked in one process: two simulated ranks (threads) on deliberately unequal data
+issue the same sequence of collectives (agreements, forwards, backwards) for every algorithm file.
+
+A forward of the policy stands for FSDP's all-gathers, a backward for the gradient reduction; both are
+recorded by hooks, the agreements by :mod:`agentopsd.distributed` itself. Each rank plays other tasks
+(other prompt lengths and episode lengths), holds another number of rows, and one rank may have no
+rows at all (every episode faulted); the entropy bonus and the KL penalty are on.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.data import TaskBatch
+from agentopsd.distributed import SimulatedWorld, record
+from agentopsd.module import AgentRLModule
+from agentopsd.types import TaskSpec
+from tests.conftest import TOY_ID, WALK_SKILLS
+
+ALGORITHM_FILES = sorted(Path(__file__).parents[2].joinpath("conf", "algorithm").glob("*.yaml"))
+
+
+def _algorithm(path: Path):
+    cfg = OmegaConf.load(path)
+    algo = instantiate(cfg)
+    # every loss term on: the KL to a reference (a second model's forwards) and the entropy bonus
+    return dataclasses.replace(algo, kl_coef=0.01, entropy_coef=0.001)
+
+
+def _module(policy, algorithm, rank: int, fault_rate: float = 0.0, max_turns: int = 5) -> AgentRLModule:
+    model, tokenizer = policy
+    module = AgentRLModule(
+        copy.deepcopy(model), tokenizer, algorithm=algorithm,
+        env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=max_turns, output_format="action", fault_rate=fault_rate),
+        rollout=RolloutConfig(max_new_tokens=5),
+        optim=OptimConfig(lr=1e-3, ppo_epochs=2, num_mini_batches=2, micro_batch_size=2),
+        evaluation=EvalConfig(num_tasks=3, sampled_copies=1),
+        num_iterations=2, seed=rank,
+    )
+    module._sharded = True  # take the sharded paths (whole-model forwards, padded scoring) as under FSDP
+    opt = module.configure_optimizers()
+    module.optimizers = lambda: opt["optimizer"]
+    module.lr_schedulers = lambda: opt["lr_scheduler"]["scheduler"]
+    module.manual_backward = lambda loss: loss.backward()
+    for name, m in (("policy", module.model), ("reference", module.ref_model)):
+        if m is not None:
+            m.model.layers[0].register_forward_pre_hook(lambda *a, name=name: record(("forward", name)))
+    first = module.model.model.layers[0].self_attn.q_proj.weight
+    first.register_post_accumulate_grad_hook(lambda p: record(("backward",)))
+    return module
+
+
+def _tasks(rank: int) -> TaskBatch:
+    # rank 0 plays groups 0 and 2 (goal 5 and 2), rank 1 group 1 (goal 3): other prompts, lengths, row counts
+    goals = {0: 3, 1: 2, 2: 0}
+    tasks = tuple(TaskSpec(TOY_ID, "train", seed=100 * g + c, task_index=goals[g], group_id=g) for g in range(3) for c in range(2 + g))
+    return TaskBatch(0, tasks)
+
+
+def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True) -> SimulatedWorld:
+    world = SimulatedWorld(2, timeout=30)
+    errors: dict[int, str] = {}
+
+    def rank(r: int) -> None:
+        try:
+            with world.rank(r):
+                module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r])
+                torch.manual_seed(r)
+                batch = module.rollout(_tasks(r))
+                module.algorithm.assign(batch, 0)
+                module.update(batch, 0)
+                if evaluate:
+                    module.evaluate()
+        except BaseException:  # a mismatch shows as one rank waiting for the other: surface both
+            errors[r] = traceback.format_exc(limit=-4)
+            world.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a simulated rank is still running after 120 s"
+    if errors:
+        raise AssertionError(f"ranks failed: {errors}; last events: {[log[-3:] for log in world.logs]}")
+    return world
+
+
+def _same(world: SimulatedWorld) -> None:
+    a, b = world.logs
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    assert a == b, f"ranks part at event {first}: rank 0 {a[first:first + 3]}, rank 1 {b[first:first + 3]}"
+    assert ("backward",) in a and ("forward", "policy") in a
+
+
+@pytest.mark.parametrize("path", ALGORITHM_FILES, ids=[p.stem for p in ALGORITHM_FILES])
+def test_every_algorithm_issues_the_same_collectives_on_unequal_data(tiny_walk_policy, path):
+    _same(run_ranks(tiny_walk_policy, _algorithm(path)))
+
+
+def test_one_rank_done_first_and_one_rank_without_rows(tiny_walk_policy):
+    """Rank 1's episodes end after one turn (all-done first) while rank 0 plays five; then every
+    episode of rank 0 faults: it trains on nothing and still takes part in every pass."""
+    algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo_opsd"))
+    _same(run_ranks(tiny_walk_policy, algo, max_turns=(5, 1), evaluate=False))
+    _same(run_ranks(tiny_walk_policy, algo, fault_rank=0, evaluate=False))
+
+
+def test_a_mismatch_is_caught(tiny_walk_policy, monkeypatch):
+    """The check can fail: a rank that skips the agreement on its micro-batches parts from the other."""
+    from agentopsd import distributed
+
+    real = distributed.exchange
+
+    def skewed(values, what):
+        if what == "update/micro-batches" and distributed.rank_and_world()[0] == 1:
+            distributed.record(("agree", what))
+            return [[float(v) for v in values]] * 2  # answers alone: no exchange with rank 0
+        return real(values, what)
+
+    monkeypatch.setattr(distributed, "exchange", skewed)
+    algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo"))
+    with pytest.raises(AssertionError):
+        _same(run_ranks(tiny_walk_policy, algo, evaluate=False))
