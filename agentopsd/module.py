@@ -507,6 +507,7 @@ class AgentRLModule(L.LightningModule):
                 counts = distributed.exchange([len(micros), local], "update/micro-batches") if world > 1 else [[len(micros), local]]
                 normalizer = max(1.0, sum(c[1] for c in counts))
                 micros += [None] * (int(max(c[0] for c in counts)) - len(micros))
+                minibatch_loss = 0.0
                 for micro in micros:
                     if micro is None:  # a dummy pass through the same code, contributing nothing
                         dummy, rows = self._placeholder_batch()
@@ -517,6 +518,9 @@ class AgentRLModule(L.LightningModule):
                         self.first_ratio_dev = ratio_dev if micro is micros[0] else max(self.first_ratio_dev, ratio_dev)
                     self.manual_backward(loss * world)
                     losses.append(float(loss.detach()) * world)
+                    minibatch_loss += float(loss.detach()) * world
+                # the mini-batch's whole loss (each rank holds a share: their mean over ranks is the sum)
+                stats_log.setdefault("total", []).append(minibatch_loss)
                 first = False
                 self._optimizer_step(opt, sched, stats_log)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
@@ -528,7 +532,7 @@ class AgentRLModule(L.LightningModule):
         metrics["perf/update_tokens_per_s"] = float(batch.attention_mask.sum()) * cfg.ppo_epochs / max(self.phase_seconds["update"], 1e-9)
         if self.device.type == "cuda":  # rollout, scoring and update so far (vLLM's engine not included)
             metrics["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
-        metrics = reduce_metrics(metrics, "update/metrics", weight=max(len(losses), 1), rule=_metric_rule)
+        metrics = reduce_metrics(metrics, "update/metrics", rule=_metric_rule)
         metrics.update(self.rollout_metrics)
         return metrics, torch.tensor(sum(losses) / max(len(losses), 1))
 

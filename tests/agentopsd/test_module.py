@@ -186,3 +186,20 @@ def test_evaluation_uses_the_fixed_list_and_no_skills(tiny_walk_policy):
     assert metrics["eval/episodes"] == 2.0 and "eval/success/type/walk" in metrics
     with pytest.raises(ValueError, match="training-only"):
         module.collector.collect(tasks, with_teacher=True)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_an_update_moves_an_action_the_way_of_its_advantage(tiny_walk_policy, sign):
+    """Advantage +1 on one turn's action raises its log-prob, -1 lowers it (a flipped or misaligned
+    advantage would fail here); the other rows carry advantage 0 and no other loss term is on."""
+    module = make_module(tiny_walk_policy, algorithm=Algorithm(), iterations=2, ppo_epochs=1, num_mini_batches=1)
+    fit(module, 1)  # attaches a trainer
+    batch = module.rollout(_task_batch(0))
+    row = int(batch.action_mask.sum(1).argmax())
+    batch.advantages = torch.zeros(batch.action_mask.shape)
+    batch.advantages[row] = sign
+    batch.advantages *= batch.action_mask
+    before = module.action_logprobs(batch, "student")[row][batch.action_mask[row]].sum()
+    module.update(batch, 0)
+    after = module.action_logprobs(batch, "student")[row][batch.action_mask[row]].sum()
+    assert float(after - before) * sign > 1e-4, (float(before), float(after))

@@ -1,0 +1,123 @@
+"""One PPO update on fixed rows, under 1 process or 2 (DDP or FSDP2, gloo): writes each rank's reduced
+gradient, loss and updated weights, so a test can compare them (tests/test_distributed_numbers.py).
+
+    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp}
+
+The 7 rows (unequal prompt and action lengths, advantages of both signs) are split unequally in the
+2-process runs: rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 2 (1 micro-batch, then dummy
+passes); the entropy bonus and the KL penalty are on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from agentopsd.algorithms import Algorithm  # noqa: E402
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig  # noqa: E402
+from agentopsd.data import TaskDataModule  # noqa: E402
+from agentopsd.distributed import rank_and_world  # noqa: E402
+from agentopsd.module import AgentRLModule  # noqa: E402
+from agentopsd.types import RolloutBatch  # noqa: E402
+
+ENV = "agentopsd/BabyAI-GoToLocal-v0"
+ROWS = {1: [list(range(7))], 2: [[0, 1, 2, 3, 4], [5, 6]]}
+LENGTHS = [(9, 3), (14, 2), (6, 4), (11, 3), (8, 1), (16, 2), (5, 3)]  # (prompt, action) tokens per row
+ADVANTAGES = [1.0, -0.5, 0.8, -1.2, 0.3, 1.5, -0.7]
+
+
+def fixed_rows(rows: list[int], vocab: int, device: torch.device) -> RolloutBatch:
+    gen = torch.Generator().manual_seed(0)
+    all_ids = [torch.randint(3, vocab, (p + a,), generator=gen) for p, a in LENGTHS]
+    width = max(p + a for p, a in LENGTHS)
+    m = len(rows)
+    ids = torch.zeros(m, width, dtype=torch.long)
+    attn = torch.zeros(m, width, dtype=torch.long)
+    amask = torch.zeros(m, width, dtype=torch.bool)
+    adv = torch.zeros(m, width)
+    for r, i in enumerate(rows):
+        p, a = LENGTHS[i]
+        ids[r, : p + a], attn[r, : p + a], amask[r, p : p + a] = all_ids[i], 1, True
+        adv[r, p : p + a] = ADVANTAGES[i]
+    zeros_m = torch.zeros(m)
+    rb = RolloutBatch(
+        input_ids=ids, attention_mask=attn, action_mask=amask, old_logprobs=torch.zeros(m, width),
+        teacher_input_ids=ids, teacher_attention_mask=attn, teacher_action_mask=amask,
+        turn_traj=torch.arange(m), turn_index=torch.zeros(m, dtype=torch.long), turn_valid=torch.ones(m, dtype=torch.bool),
+        turn_penalties=zeros_m, turn_state=torch.arange(m), success=zeros_m, rewards=zeros_m,
+        group_ids=torch.arange(m), seq_advantages=zeros_m, num_turns=torch.ones(m, dtype=torch.long),
+    ).to(device)
+    rb.advantages = adv.to(device)
+    return rb
+
+
+class FixedRowsModule(AgentRLModule):
+    """The module with its rollout replaced by fixed rows (the update path is the real one)."""
+
+    def __init__(self, out: Path, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.out = out
+
+    def rollout(self, batch):
+        rank, world = rank_and_world()
+        rb = fixed_rows(ROWS[world][rank], self.model.config.vocab_size, self.device)
+        with torch.no_grad():
+            rb.old_logprobs = self.action_logprobs(rb, "student")
+            rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model) - 0.05 * rb.action_mask
+        return rb
+
+    def _optimizer_step(self, opt, sched, stats_log) -> None:
+        rank, _ = rank_and_world()
+        grads = {n: _full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
+        if rank == 0:
+            torch.save(grads, self.out / "grads.pt")
+        super()._optimizer_step(opt, sched, stats_log)
+
+    def update(self, batch, batch_idx):
+        metrics, loss = super().update(batch, batch_idx)
+        if rank_and_world()[0] == 0:
+            torch.save({k: v for k, v in metrics.items() if k.startswith("loss/")}, self.out / "metrics.pt")
+        return metrics, loss
+
+    def on_train_end(self) -> None:
+        rank, _ = rank_and_world()
+        weights = {n: _full(p.data) for n, p in self.model.named_parameters()}
+        torch.save(weights, self.out / f"weights-rank{rank}.pt")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank calls it in the same order)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone().cpu()
+
+
+def main(out: Path, mode: str) -> None:
+    from agentopsd.tiny import tiny_policy
+
+    torch.manual_seed(0)
+    model, tokenizer = tiny_policy(ENV, vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                                   text_episodes=4, cache_dir=str(out / "tok"))
+    algo = Algorithm(kl_coef=0.05, entropy_coef=0.01)
+    module = FixedRowsModule(
+        out, model, tokenizer, algorithm=algo, env=EnvConfig(id=ENV), rollout=RolloutConfig(),
+        optim=OptimConfig(lr=1e-3, ppo_epochs=1, num_mini_batches=1, micro_batch_size=2),
+        evaluation=EvalConfig(num_tasks=1), num_iterations=1,
+    )
+    strategy = {"single": "auto", "ddp": "ddp"}.get(mode)
+    if mode == "fsdp":
+        from agentopsd.strategies import FSDP2Strategy
+
+        strategy = FSDP2Strategy()
+    trainer = L.Trainer(accelerator="cpu", devices=1 if mode == "single" else 2, strategy=strategy, precision="32-true", max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=TaskDataModule(ENV, tasks_per_batch=2, group_size=1, num_iterations=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,46 @@
+"""The numbers of a 2-process update, not only its exit code: the reduced gradient and the loss equal one
+process's on the same rows, and both ranks end with equal weights (DDP and FSDP2 on gloo, unequal rows
+per rank so that one rank runs dummy micro-batches; entropy bonus and KL on)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def probe(out: Path, mode: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "tests/distributed_update_probe.py", str(out), mode], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    return probe(tmp_path_factory.mktemp("single"), "single")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_two_process_update_equals_one_process(single, mode, tmp_path):
+    out = probe(tmp_path / mode, mode)
+    want, got = torch.load(single / "grads.pt"), torch.load(out / "grads.pt")
+    assert set(got) == set(want) and len(want) > 10
+    for name, g in want.items():
+        scale = float(g.abs().max()) + 1e-12
+        assert float((got[name] - g).abs().max()) / scale < 1e-4, name  # float32 sums in another order
+    w0, w1 = torch.load(out / "weights-rank0.pt"), torch.load(out / "weights-rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "the ranks' weights differ after the update"
+    ws = torch.load(single / "weights-rank0.pt")
+    assert max(float((w0[k] - ws[k]).abs().max()) for k in ws) < 1e-4
+    m_want, m_got = torch.load(single / "metrics.pt"), torch.load(out / "metrics.pt")
+    assert m_got["loss/total"] == pytest.approx(m_want["loss/total"], rel=1e-4, abs=1e-6)
