@@ -3,7 +3,7 @@
     agentopsd-eval +experiment=babyai_tiny model.path=exported/ evaluation.num_tasks=10   # an exported folder
     agentopsd-eval +experiment=webshop_3b model.path=Qwen/Qwen2.5-3B-Instruct             # a hub id (or folder)
     agentopsd-eval ckpt_path=last                        # the latest run of the quickstart, its last.ckpt
-    agentopsd-eval +experiment=babyai_tiny ckpt_path=runs/babyai_tiny/2025-01-01_00-00-00 rollout=vllm
+    agentopsd-eval +experiment=babyai_tiny ckpt_path=runs/babyai_tiny/2025-01-01_00-00-00 rollout.backend=vllm
     python -m agentopsd.eval_cli ...                     # the same
 
 It takes ``train.py``'s overrides: the experiment picks the environment, the evaluation list
@@ -12,7 +12,7 @@ It takes ``train.py``'s overrides: the experiment picks the environment, the eva
 each task at the rollout temperature) and the seed. The policy is ``model.path=`` (a folder, e.g. one
 ``agentopsd-export`` wrote, or a hub id) or ``ckpt_path=`` (a run folder, ``last`` for the latest run of the
 experiment's name, a ``last.ckpt`` or a ``policy-*.pt``: its weights read on one process, see
-:mod:`agentopsd.export`). Backends: transformers (``rollout=hf``) or vLLM (``rollout=vllm``; a checkpoint is
+:mod:`agentopsd.export`). Backends: transformers (``rollout=hf``) or vLLM (``rollout.backend=vllm``, or ``rollout=vllm`` in an experiment made for it; a checkpoint is
 exported to ``<eval_dir>/model`` first, since vLLM loads its weights from a folder).
 
 The trainer's ``trainer=`` config launches the processes (``trainer=ddp trainer.devices=2``) and the
