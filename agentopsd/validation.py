@@ -139,15 +139,47 @@ def _validate_baseline_knobs(algo: DictConfig) -> None:
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: Path) -> str | None:
     """``last`` -> ``<output_dir>/checkpoints/last.ckpt`` (``output_dir`` is then the latest run of the name, see
-    ``agentopsd.runs.run_dir``); a missing file is an error, not a fresh start."""
+    ``agentopsd.runs.run_dir``); a missing file is an error, not a fresh start; so is a corrupt or truncated
+    one, named with the previous checkpoint to resume from."""
     if ckpt_path is None:
         return None
     path = output_dir / "checkpoints" / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if ckpt_path == "last" and not path.exists() and path.with_name(".last.ckpt.old").exists():
-        path = path.with_name(".last.ckpt.old")  # killed between the two renames of a checkpoint swap
+    previous = path.with_name("previous.ckpt")
+    if ckpt_path == "last" and not path.exists() and previous.exists():
+        path = previous  # killed between the two renames of a checkpoint swap
     if not path.exists():  # a file, or a directory of shards under FSDP
         if ckpt_path == "last":  # output_dir is the latest run of the name, or a new folder when there is none
             raise ConfigError(f"ckpt_path=last: no run with a checkpoint in {output_dir.parent} (looked for {path}); "
                               "run without ckpt_path to start fresh")
         raise ConfigError(f"ckpt_path={ckpt_path!r}: no checkpoint at {path}; run without ckpt_path to start fresh")
+    problem = checkpoint_problem(path)
+    if problem:
+        fallback = (f"resume from the previous one: ckpt_path={previous}" if previous.exists() and previous != path
+                    and not checkpoint_problem(previous) else "no previous checkpoint to fall back on; run without ckpt_path to start fresh")
+        raise ConfigError(f"checkpoint {path} is unreadable ({problem}); {fallback}")
     return str(path)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a whole checkpoint (truncated, empty, not one), or None. Cheap: reads the zip
+    directory of a file (``torch.save``'s format) or the metadata of a sharded (FSDP2) directory, not the tensors."""
+    import zipfile
+
+    if path.is_dir():
+        meta = path / ".metadata"
+        if not meta.is_file() or meta.stat().st_size == 0:
+            return "a sharded checkpoint without its .metadata file"
+        shards = list(path.glob("*.distcp"))
+        if not shards or any(p.stat().st_size == 0 for p in shards):
+            return "a sharded checkpoint with missing or empty shard files"
+        return None
+    if path.stat().st_size == 0:
+        return "an empty file"
+    try:
+        with zipfile.ZipFile(path) as zf:
+            names = zf.namelist()
+    except (zipfile.BadZipFile, OSError) as err:
+        return f"truncated or corrupt: {err}"
+    if not any(n.endswith("data.pkl") for n in names):
+        return "not a torch checkpoint (no data.pkl inside)"
+    return None

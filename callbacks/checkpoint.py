@@ -2,7 +2,9 @@
 
 Under FSDP2 a checkpoint is a directory of shards written by every rank; otherwise one file
 written by rank 0. Either way it is written under a temporary name and renamed, so a process
-killed mid-write never leaves a truncated ``last.ckpt`` behind.
+killed mid-write never leaves a truncated ``last.ckpt`` behind; the checkpoint it replaces stays
+beside it as ``previous.ckpt``, for the day a disk corrupts ``last.ckpt`` after it was written
+(``ckpt_path=last`` then fails in one line naming ``previous.ckpt``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 import lightning as L
 
 log = logging.getLogger(__name__)
+
+PREVIOUS_NAME = "previous.ckpt"
 
 
 def _remove(path: Path) -> None:
@@ -47,15 +51,12 @@ class IterationCheckpoint(L.Callback):
         return self.dirpath / ".last.ckpt.tmp"  # one name on every rank: shards of one checkpoint
 
     @property
-    def _old(self) -> Path:
-        return self.dirpath / ".last.ckpt.old"
+    def previous_path(self) -> Path:
+        return self.dirpath / PREVIOUS_NAME
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and self.dirpath.is_dir():
             _remove(self._tmp)  # left by a process killed while writing
-            if self._old.exists() and not self.last_path.exists():
-                os.replace(self._old, self.last_path)  # killed between the two renames of a swap
-            _remove(self._old)
         trainer.strategy.barrier()
 
     def save(self, trainer: L.Trainer) -> None:
@@ -66,10 +67,10 @@ class IterationCheckpoint(L.Callback):
         trainer.save_checkpoint(str(self._tmp))
         trainer.strategy.barrier()
         if trainer.is_global_zero:
-            if self.last_path.is_dir():  # a directory cannot be replaced in one rename
-                os.replace(self.last_path, self._old)
-            os.replace(self._tmp, self.last_path)
-            _remove(self._old)
+            if self.last_path.exists():  # the last good checkpoint becomes the previous one
+                _remove(self.previous_path)
+                os.replace(self.last_path, self.previous_path)
+            os.replace(self._tmp, self.last_path)  # killed between the renames: resume finds previous.ckpt
         trainer.strategy.barrier()
         self.saved_at = int(getattr(trainer.lightning_module, "iterations_done", -1))
         if self.keep_policies:

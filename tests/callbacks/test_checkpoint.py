@@ -34,3 +34,30 @@ def test_a_fit_stopped_by_max_steps_saves_its_iterations(tiny_walk_policy, tmp_p
     trainer.fit(resumed, datamodule=TaskDataModule(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=4),
                 ckpt_path=str(checkpoint.last_path))
     assert seen == [1, 2, 3]
+
+
+def test_the_previous_checkpoint_survives_a_corrupt_last(tiny_walk_policy, tmp_path):
+    """Each save keeps the one before as previous.ckpt; a truncated last.ckpt fails in one line naming it."""
+    import pytest
+
+    from agentopsd.validation import ConfigError, checkpoint_problem, resolve_ckpt_path
+
+    module = make_module(tiny_walk_policy, iterations=2)
+    checkpoint = IterationCheckpoint(str(tmp_path / "checkpoints"), every_n_iterations=1)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[CreditCallback(), checkpoint])
+    trainer.fit(module, datamodule=TaskDataModule(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=2))
+    last, previous = checkpoint.last_path, checkpoint.previous_path
+    assert torch.load(last, weights_only=False)["agentopsd"]["iterations_done"] == 2
+    assert torch.load(previous, weights_only=False)["agentopsd"]["iterations_done"] == 1
+    assert resolve_ckpt_path("last", tmp_path) == str(last)
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])  # a disk that lost the second half
+    with pytest.raises(ConfigError) as err:
+        resolve_ckpt_path("last", tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and str(last) in message and f"ckpt_path={previous}" in message
+    assert resolve_ckpt_path(str(previous), tmp_path) == str(previous)
+    # a sharded (FSDP2) checkpoint missing its metadata is caught the same way
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "__0_0.distcp").write_bytes(b"x")
+    assert "metadata" in checkpoint_problem(tmp_path / "sharded")
