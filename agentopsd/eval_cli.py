@@ -199,7 +199,10 @@ def _rows_of(played: list[list[Any]]) -> list[dict[str, Any]]:
 
 
 def _split(metrics: dict[str, float], prefix: str) -> dict[str, float]:
-    return {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+    """The metrics under ``prefix``, horizon buckets in order of length (1-5, 6-10, 11-20, ...)."""
+    found = {k[len(prefix):]: v for k, v in metrics.items() if k.startswith(prefix)}
+    head = lambda name: int(name.split("-")[0].rstrip("+")) if name.split("-")[0].rstrip("+").isdigit() else 10**9  # noqa: E731
+    return dict(sorted(found.items(), key=lambda kv: (head(kv[0]), kv[0])))
 
 
 def summary_line(result: dict[str, Any]) -> str:
