@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from agentopsd.algorithms import Algorithm
+from agentopsd.distributed import reduce_metrics
 
 
 def credit_statistics(credit: Mapping[str, Tensor], success: Tensor, band: float) -> dict[str, float]:
@@ -96,7 +97,9 @@ class CreditCallback(L.Callback):
         if credit:
             success = batch["success"] if isinstance(batch, Mapping) else batch.success
             stats.update(credit_statistics(credit, success, getattr(algo, "mult_band", 0.2)))
+        bs = int((batch["success"] if isinstance(batch, Mapping) else batch.success).shape[0])
+        # every rank's trajectories count (one collective when several processes train; none otherwise)
+        stats = reduce_metrics(stats, "credit/metrics", weight=bs, rule=lambda key: "max" if key.endswith("_seconds") else "mean")
         self.last_stats = stats
         if self.log_stats:
-            bs = int((batch["success"] if isinstance(batch, Mapping) else batch.success).shape[0])
             pl_module.log_dict(stats, on_step=True, batch_size=bs)
