@@ -84,7 +84,7 @@ def resolve_source(source: str | Path, run: str | Path | None = None) -> tuple[P
     if path.is_file() or _is_sharded(path):
         return path.resolve(), run_dir
     ckpts = run_dir / "checkpoints"
-    for name in ("last.ckpt", ".last.ckpt.old"):  # .old: killed between the two renames of a checkpoint swap
+    for name in ("last.ckpt", "previous.ckpt"):  # previous.ckpt: killed between the two renames of a checkpoint swap
         if (ckpts / name).exists():
             return (ckpts / name).resolve(), run_dir
     kept = sorted(ckpts.glob("policy-*.pt"))
