@@ -44,6 +44,7 @@ class PreemptionCallback(L.Callback):
             raise ValueError(f"unknown signal names {unknown}; use names like SIGTERM, SIGUSR1")
         self.checkpoint, self.signals, self.grace_s = checkpoint, tuple(signals), float(grace_s)
         self._previous: dict[int, object] = {}
+        self._timer: threading.Timer | None = None
 
     @staticmethod
     def _request(pl_module: L.LightningModule) -> StopRequest:
@@ -73,9 +74,9 @@ class PreemptionCallback(L.Callback):
                 "end of the current update), then saving a checkpoint; a second signal exits at once", rank, name,
             )
             request.set(name)
-            timer = threading.Timer(self.grace_s, _exit_now, (rank, name, 128 + signum, f"no safe point within {self.grace_s:.0f} s"))
-            timer.daemon = True  # a run that stops cleanly in time exits without waiting for it
-            timer.start()
+            self._timer = threading.Timer(self.grace_s, _exit_now, (rank, name, 128 + signum, f"no safe point within {self.grace_s:.0f} s"))
+            self._timer.daemon = True  # a process that ends in time does not wait for it
+            self._timer.start()
 
         for name in self.signals:
             num = getattr(signal, name)
@@ -83,6 +84,9 @@ class PreemptionCallback(L.Callback):
             signal.signal(num, handler)
 
     def _restore(self) -> None:
+        if self._timer is not None:  # the stop came in time (or the fit ended): no forced exit later
+            self._timer.cancel()
+            self._timer = None
         for num, previous in self._previous.items():
             signal.signal(num, previous)
         self._previous.clear()

@@ -157,3 +157,36 @@ def test_real_signal_to_a_real_run_then_resume(processes, tmp_path):
     run_train(*common, "ckpt_path=last", timeout=900)
     # every iteration trained exactly once, on the same task stream: one shard each, no gaps
     assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in range(1, 7)]  # numbered by completed iterations
+
+
+@pytest.mark.parametrize("how", ["second signal", "grace over"])
+def test_a_stop_never_waits_forever(monkeypatch, tmp_path, how):
+    """Ranks stuck in a collective never reach a safe point: a second signal, or the grace period after
+    the first, ends the process at once with 128 + the signal number."""
+    import threading
+    from types import SimpleNamespace
+
+    import agentopsd.callbacks.preemption as preemption
+
+    exits: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def fake_exit(rank, name, code, why):
+        exits.append((code, why))
+        done.set()
+
+    monkeypatch.setattr(preemption, "_exit_now", fake_exit)
+    callback = PreemptionCallback(IterationCheckpoint(str(tmp_path)), grace_s=0.2 if how == "grace over" else 60)
+    module = SimpleNamespace(stop_request=StopRequest())
+    callback.on_train_start(SimpleNamespace(global_rank=0), module)
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        handler(signal.SIGTERM, None)
+        assert module.stop_request.requested and not exits  # the first signal only asks for a safe point
+        if how == "second signal":
+            handler(signal.SIGTERM, None)
+        assert done.wait(5)
+    finally:
+        callback._restore()
+    code, why = exits[0]
+    assert code == 128 + signal.SIGTERM and (("second" in why) if how == "second signal" else ("no safe point" in why))
