@@ -64,10 +64,12 @@ class PreemptionCallback(L.Callback):
             return
 
         rank = trainer.global_rank
+        received: list[str] = []  # this process's own signals (a stop agreed from another rank is not one)
 
         def handler(signum: int, frame: object) -> None:
             name = signal.Signals(signum).name
-            if request.requested:  # a second signal: the user (or the cluster) will not wait
+            received.append(name)
+            if len(received) > 1:  # a second signal: the user (or the cluster) will not wait
                 _exit_now(rank, name, 128 + signum, "a second signal")
             log.warning(
                 "rank %d received %s: stopping at the next safe point (the next turn of a rollout, or the "
