@@ -5,6 +5,10 @@ Data flow of one iteration: the loader yields a TaskBatch; in
 current weights roll out and, when the algorithm needs it, the teacher view scores the same
 action tokens; the CreditCallback writes the advantages; ``training_step`` runs PPO epochs
 with manual optimization.
+
+Adding a forward or a backward? Read the rank invariant at the top of ``agentopsd/distributed.py``
+first: under FSDP every forward is a collective, so its count must not depend on this rank's data
+(agree the count with ``distributed.padded``/``exchange`` and pad with dummy passes of the same code).
 """
 
 from __future__ import annotations
