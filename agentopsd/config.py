@@ -87,7 +87,25 @@ class OptimConfig:
     """Optimizer steps per PPO epoch: the rollout batch is split into this many mini-batches."""
     micro_batch_size: int = 16
     """Rows per forward/backward (gradient accumulation inside a mini-batch)."""
+    max_tokens_per_micro_batch: int = 0
+    """When > 0, micro-batches are cut by tokens instead of rows: the rows are ordered by length and
+    each micro-batch takes rows while ``rows x longest row`` (its padded size) stays within this
+    budget (a longer row goes alone); ``micro_batch_size`` is then unused. It also sizes the
+    sharded scoring passes (reference, teacher, old log-probs). 0 = ``micro_batch_size`` rows."""
     grad_clip: float = 1.0
+    clip_ratio_c: float = 0.0
+    """Dual-clip (verl's ``clip_ratio_c``): for a negative advantage the per-token loss is at most
+    ``-A * clip_ratio_c``, so a token whose ratio exploded cannot dominate. Must be > 1; 0 = off
+    (the public AgentOPSD runs: 3)."""
+    kl_clamp: float = 0.0
+    """Clamp each token's k3 KL value to ``[-kl_clamp, kl_clamp]`` (verl's ``low_var_kl``: 10); 0 = off."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling for the engine/trainer mismatch: each token's loss is weighted
+    by ``min(exp(log pi_trainer_old - log pi_engine), tis_cap)`` (verl's ``tis_imp_ratio_cap``, 2 in
+    its recipes). Needs ``rollout.recompute_old_logprobs``; off on the transformers backend, whose
+    behaviour log-probs are the trainer's. 0 = off."""
+    logprob_diff_warning: float = 0.05
+    """Warn when the mean |engine - trainer| log-prob difference of a rollout passes this (0 = never)."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -96,6 +114,14 @@ class OptimConfig:
             raise ValueError("optim.ppo_epochs, optim.num_mini_batches and optim.micro_batch_size must be >= 1")
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"optim.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"optim.max_tokens_per_micro_batch must be >= 0 (0 = rows), got {self.max_tokens_per_micro_batch}")
+        if self.clip_ratio_c and self.clip_ratio_c <= 1:
+            raise ValueError(f"optim.clip_ratio_c must be > 1 (verl uses 3) or 0 (off), got {self.clip_ratio_c}")
+        if self.kl_clamp < 0 or self.tis_cap < 0 or self.logprob_diff_warning < 0:
+            raise ValueError("optim.kl_clamp, optim.tis_cap and optim.logprob_diff_warning must be >= 0 (0 = off)")
+        if self.tis_cap and self.tis_cap < 1:
+            raise ValueError(f"optim.tis_cap must be >= 1 (verl's recipes use 2) or 0 (off), got {self.tis_cap}")
 
 
 @dataclass(frozen=True)

@@ -54,10 +54,23 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token-mean", normalizer
     return (per_seq * has_tokens).sum() / denom
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(r) - r - 1`` with ``r = ref - logp``; always >= 0."""
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor, clamp: float = 0.0) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(r) - r - 1`` with ``r = ref - logp``; always >= 0.
+
+    ``clamp > 0`` bounds the value to ``[-clamp, clamp]`` as verl's ``low_var_kl`` does (10 there): a
+    token far from the reference (``|r|`` of 3 or more) then adds a constant, without gradient.
+    """
     r = (ref_logprobs - logprobs).clamp(-20.0, 20.0)
-    return torch.exp(r) - r - 1.0
+    kl = torch.exp(r) - r - 1.0
+    return kl.clamp(-clamp, clamp) if clamp > 0 else kl
+
+
+def truncated_is_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weights for the engine/trainer mismatch (token level, detached):
+    ``min(exp(log pi_trainer - log pi_engine), cap)``. The rollout engine sampled the tokens, the
+    trainer's forward defines the ratio's denominator: this corrects the sampling distribution."""
+    log_w = (trainer_logprobs - engine_logprobs).detach().clamp(-20.0, 20.0)
+    return torch.exp(log_w).clamp(max=cap)
 
 
 def clipped_policy_loss(
@@ -72,12 +85,19 @@ def clipped_policy_loss(
     normalizer: float | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    clip_ratio_c: float = 0.0,
+    kl_clamp: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, PolicyLossStats]:
     """PPO/GRPO clipped surrogate with clip-higher (``eps_high > eps_low``, DAPO).
 
     ``loss_t = max(-A_t r_t, -A_t clip(r_t, 1-eps_low, 1+eps_high))``, ``r_t = exp(logp - logp_old)``.
     ``advantages`` is ``[N]`` (one per turn sample, broadcast to its tokens) or ``[N,T]``.
-    With ``ref_logprobs`` and ``kl_coef > 0`` the k3 KL to the reference is added.
+    With ``ref_logprobs`` and ``kl_coef > 0`` the k3 KL to the reference is added (each token's value
+    clamped to ``[-kl_clamp, kl_clamp]`` when ``kl_clamp > 0``, verl's ``low_var_kl``).
+    ``clip_ratio_c > 1``: dual-clip (verl): where ``A_t < 0`` the token's loss is
+    ``min(loss_t, -A_t clip_ratio_c)``. ``is_weights`` ``[N,T]`` (detached, e.g. truncated
+    importance-sampling weights) multiply each token's policy-gradient loss.
     """
     if logprobs.shape != old_logprobs.shape or mask.shape != logprobs.shape:
         raise ValueError(f"logprobs, old_logprobs and mask must share one shape, got {tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}")
@@ -90,10 +110,16 @@ def clipped_policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = torch.maximum(unclipped, clipped)
+    if clip_ratio_c:
+        if clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1 (or 0: off), got {clip_ratio_c}")
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(per_token.dtype)
     pg_loss = aggregate(per_token, mask, aggregation, normalizer)
     kl_loss = logprobs.new_zeros(())
     if ref_logprobs is not None and kl_coef > 0:
-        kl_loss = kl_coef * aggregate(kl_k3(logprobs, ref_logprobs.detach()), mask, aggregation, normalizer)
+        kl_loss = kl_coef * aggregate(kl_k3(logprobs, ref_logprobs.detach(), kl_clamp), mask, aggregation, normalizer)
     with torch.no_grad():
         m = mask.bool()
         n = m.sum().clamp_min(1)

@@ -36,7 +36,14 @@ from agentopsd.distributed import (
     shard_items,
 )
 from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
-from agentopsd.losses import aggregate, clipped_policy_loss, distillation_loss, token_entropy, token_logprobs
+from agentopsd.losses import (
+    aggregate,
+    clipped_policy_loss,
+    distillation_loss,
+    token_entropy,
+    token_logprobs,
+    truncated_is_weights,
+)
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
@@ -124,6 +131,23 @@ def _logits_to_keep_form(model: nn.Module) -> str:
     return "hook" if callable(getattr(model, "get_output_embeddings", None)) else "none"
 
 
+def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions of ``lengths`` grouped into micro-batches of at most ``budget`` padded tokens.
+
+    The rows are taken longest first (a stable sort: rows of equal length keep their given order, so
+    rows sharing a prompt stay side by side); a micro-batch takes rows while ``rows x its longest
+    row`` (what a right-padded forward holds) fits the budget. A row longer than the budget goes alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 _SUMMED = ("rollout/format_errors", "rollout/invalid_actions", "rollout/faults", "rollout/trajectories",
            "rollout/trajectories_used", "rollout/history_trimmed", "rollout/skill_trimmed")
 _SHARED_TERMS = ("pg_loss", "kl_loss", "distill_loss", "entropy")
@@ -183,8 +207,11 @@ class AgentRLModule(L.LightningModule):
             greedy=greedy,
             stop_strings=self.prompts.stop_strings,
         )
-        # a frozen copy of the initial policy, only when the KL penalty is on (it doubles memory)
-        self.ref_model = copy.deepcopy(model).requires_grad_(False).eval() if algorithm.kl_coef > 0 else None
+        # A frozen copy of the initial policy, only when the KL penalty is on (it doubles memory). Not a
+        # registered submodule: it is not part of the state dict, so no checkpoint carries it; a resumed
+        # run rebuilds it from the weights the module is built from (model.path, or the warm start).
+        ref = copy.deepcopy(model).requires_grad_(False).eval() if algorithm.kl_coef > 0 else None
+        object.__setattr__(self, "ref_model", ref)
         self._collector: Collector | None = None
         self._sharded = False
         """True once configure_model applied FSDP2: forwards become collectives."""
@@ -245,7 +272,7 @@ class AgentRLModule(L.LightningModule):
 
             if self.model_path is None:
                 raise ValueError("rollout.backend=vllm needs model.path (vLLM loads the weights itself)")
-            return VLLMGenerator(self.model_path, self.tokenizer, **self.rollout_cfg.vllm)
+            return VLLMGenerator(self.model_path, self.tokenizer, **self._vllm_engine_kwargs())
         from agentopsd.rollout.hf import HFGenerator
 
         # several ranks: every rank runs every forward (the rank invariant, agentopsd.distributed)
@@ -255,6 +282,27 @@ class AgentRLModule(L.LightningModule):
 
             generator = MalformedGenerator(generator, self.rollout_cfg.malformed_rate, seed=self.seed)
         return generator
+
+    # ---- colocated vLLM (issue 28): engine arguments, sync before generating, sleep after --------------
+    def _vllm_engine_kwargs(self) -> dict:
+        """rollout.vllm, plus what the run decides: the seed (the engine adds the rank), the longest
+        sequence, and which weights the engine loads (a fresh run's: nothing to sync before step 1)."""
+        kwargs = {"seed": self.seed, "max_model_len": self.env_cfg.max_prompt_tokens + self.rollout_cfg.max_new_tokens}
+        kwargs.update({k: v for k, v in dict(self.rollout_cfg.vllm).items() if v is not None})
+        kwargs.setdefault("loaded_step", 0 if self.iterations_done == 0 else None)
+        return kwargs
+
+    def _engine_sync(self, generator) -> None:
+        if hasattr(generator, "sleep"):  # the vLLM engine: gradients go before it wakes; weights named by step
+            for p in self.model.parameters():
+                p.grad = None
+            generator.sync_weights(self.model, step=self.iterations_done)
+        else:
+            generator.sync_weights(self.model)
+
+    def _engine_sleep(self, generator) -> None:
+        if hasattr(generator, "sleep"):
+            generator.sleep()
 
     @property
     def collector(self) -> Collector:
@@ -294,7 +342,7 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            collector.generator.sync_weights(self.model)
+            self._engine_sync(collector.generator)
             rank, world = rank_and_world()
             tasks = batch.tasks
             if world > 1:  # each rank plays whole groups of its own
@@ -304,6 +352,7 @@ class AgentRLModule(L.LightningModule):
                 trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
             except RolloutStopped:
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
+            self._engine_sleep(collector.generator)
             t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
@@ -316,11 +365,14 @@ class AgentRLModule(L.LightningModule):
                     # how far the generator's log-probs (vLLM kernels) are from the training forward's
                     backend_gap = (behaviour - rb.old_logprobs)[rb.action_mask].abs()
                     scored += float(rb.attention_mask.sum())
+                    if self.tis_active:
+                        rb.is_weights = truncated_is_weights(rb.old_logprobs, behaviour, self.optim_cfg.tis_cap) * rb.action_mask
                 rb.student_logprobs = rb.old_logprobs
                 if self.algorithm.needs_teacher:
                     rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
                     scored += float(rb.teacher_attention_mask.sum())
                 if self.ref_model is not None:
+                    self._place_reference()
                     rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
                     scored += float(rb.attention_mask.sum())
             t_teacher = time.perf_counter() - t0
@@ -337,9 +389,40 @@ class AgentRLModule(L.LightningModule):
         if backend_gap is not None and backend_gap.numel():
             metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
             metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
+        if rb.is_weights is not None and rb.action_mask.any():
+            w = rb.is_weights[rb.action_mask]
+            metrics["rollout/tis_weight_mean"] = float(w.mean())
+            metrics["rollout/tis_capped_frac"] = float((w >= self.optim_cfg.tis_cap).float().mean())
         # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
         self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=_metric_rule)
+        self._warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"))
         return rb
+
+    @property
+    def tis_active(self) -> bool:
+        """Truncated importance sampling applies: a cap is set and the behaviour log-probs come from an
+        engine other than the trainer's forward (never on the transformers backend, whose are the trainer's)."""
+        return bool(self.optim_cfg.tis_cap > 0 and self.rollout_cfg.backend != "hf" and self.rollout_cfg.recompute_old_logprobs)
+
+    def _warn_on_logprob_gap(self, mean_gap: float | None) -> None:
+        limit = self.optim_cfg.logprob_diff_warning
+        if mean_gap is None or not limit or not mean_gap > limit:
+            return
+        log.warning(
+            "iteration %d: mean |engine - trainer| log-prob difference %.4f exceeds optim.logprob_diff_warning=%g: the "
+            "rollout engine's numerics (or a stale weight sync) part from the trainer's forward%s", self.iteration, mean_gap, limit,
+            "" if self.tis_active else "; optim.tis_cap=2 corrects the update for it (truncated importance sampling)",
+        )
+
+    def _place_reference(self) -> None:
+        """The frozen reference on the policy's device and dtype (it is not a registered submodule, so
+        Lightning does not move it); under FSDP2 ``fully_shard`` placed it already."""
+        if self._sharded or self.ref_model is None:
+            return
+        p = next(self.model.parameters(), None)
+        q = next(self.ref_model.parameters(), None)
+        if p is not None and q is not None and (q.device != p.device or q.dtype != p.dtype):
+            self.ref_model.to(device=p.device, dtype=p.dtype)
 
     @staticmethod
     def _rollout_metrics(trajectories, collector: Collector) -> dict[str, float]:
@@ -444,21 +527,31 @@ class AgentRLModule(L.LightningModule):
                     pieces.append(self._scored_logprobs(ids[sl], attn[sl], amask[sl], temperature, decoder, head))
             out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
             return out
-        step = self.optim_cfg.micro_batch_size
-        starts = list(range(0, ids.shape[0], step))
+        micros = self._micro_batches(torch.arange(ids.shape[0], device=ids.device), attn)
         if self._sharded:  # every forward is a collective: ranks with fewer rows run dummy forwards
-            starts = padded(starts, f"scoring/{view}-forwards")
+            micros = padded(micros, f"scoring/{view}-forwards")
         with torch.set_grad_enabled(with_grad):
-            for start in starts:
-                if start is None:
+            for idx in micros:
+                if idx is None:
                     self._action_logits(*self._placeholder_rows(), model)
                     continue
-                sl = slice(start, start + step)
-                logits, targets = self._action_logits(ids[sl], attn[sl], amask[sl], model)
-                pieces.append(token_logprobs(logits / temperature, targets))
-        # boolean indexing is row-major, so the two views' action tokens line up one to one
-        out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
+                logits, targets = self._action_logits(ids[idx], attn[idx], amask[idx], model)
+                # boolean indexing is row-major, so the two views' action tokens of a row line up one to one
+                block = out[idx]
+                block[student_mask[idx]] = token_logprobs(logits / temperature, targets)
+                out[idx] = block
         return out
+
+    def _micro_batches(self, rows: Tensor, attn: Tensor) -> list[Tensor]:
+        """``rows`` (indices into ``attn``'s rows) cut into micro-batches: ``optim.micro_batch_size`` rows
+        each in their order, or by ``optim.max_tokens_per_micro_batch`` padded tokens with the rows
+        ordered by length (:func:`token_budget_groups`). The count is this rank's own: a sharded caller
+        agrees it over ranks (``padded``/``exchange``) and fills the missing passes with dummies."""
+        budget = self.optim_cfg.max_tokens_per_micro_batch
+        if budget <= 0:
+            return [m for m in rows.split(self.optim_cfg.micro_batch_size) if len(m)]
+        lengths = attn[rows].sum(1).tolist()
+        return [rows[torch.tensor(g, dtype=torch.long, device=rows.device)] for g in token_budget_groups(lengths, budget)]
 
     # ------------------------------------------------------------------ update
 
@@ -504,7 +597,8 @@ class AgentRLModule(L.LightningModule):
                 opt.zero_grad(set_to_none=True)
                 # rows sharing a prompt prefix side by side, so a micro-batch runs each shared prefix once
                 # (gradient accumulation: the split does not change the summed gradient)
-                micros = [m for m in mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])].split(cfg.micro_batch_size) if len(m)]
+                # (a token budget then orders them by length, a stable sort that keeps equal lengths side by side)
+                micros = self._micro_batches(mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])], batch.attention_mask)
                 local = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
                 # one agreement per mini-batch: its micro-batch count (a backward each: DDP all-reduces,
                 # FSDP gathers and reduce-scatters) and its token count over every rank
@@ -552,6 +646,8 @@ class AgentRLModule(L.LightningModule):
             lp, batch.old_logprobs[rows], batch.advantages[rows], mask,
             eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
             ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[rows], kl_coef=algo.kl_coef,
+            clip_ratio_c=self.optim_cfg.clip_ratio_c, kl_clamp=self.optim_cfg.kl_clamp,
+            is_weights=None if batch.is_weights is None else batch.is_weights[rows],
         )
         stats = dict(vars(st))
         if algo.needs_teacher_logits:
@@ -662,7 +758,7 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            collector.generator.sync_weights(self.model)
+            self._engine_sync(collector.generator)
             try:
                 rank, world = rank_and_world()
                 # disjoint shards of the fixed list, one per rank (the collector keeps ranks in step)
@@ -675,6 +771,7 @@ class AgentRLModule(L.LightningModule):
                     with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
                         torch.manual_seed(len(copies) + 1_000_003 * rank)
                         sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
+                self._engine_sleep(collector.generator)
             except RolloutStopped:  # the evaluation is dropped; training state is whole
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
@@ -716,6 +813,10 @@ class AgentRLModule(L.LightningModule):
 
         import numpy as np
 
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict):  # checkpoints written before the reference left the state dict
+            for key in [k for k in state if k.startswith("ref_model.")]:
+                del state[key]
         extra = checkpoint.get("agentopsd")
         if not extra:
             return

@@ -118,6 +118,7 @@ class RolloutBatch:
     student_logprobs: Tensor | None = None  # [M, L] no-grad recompute under the student view
     teacher_logprobs: Tensor | None = None  # [M, L] teacher view, aligned to the student positions
     ref_logprobs: Tensor | None = None  # [M, L] frozen reference policy (only when the KL penalty is on)
+    is_weights: Tensor | None = None  # [M, L] truncated importance-sampling weights (engine/trainer mismatch; optim.tis_cap)
     turn_advantages: Tensor | None = None  # [M] At_k per turn row (credit callback)
     advantages: Tensor | None = None  # [M, L] per-token advantages used by the objective
     credit: dict[str, Tensor] = field(default_factory=dict, repr=False)  # B_k, dB_k, w_k for logging

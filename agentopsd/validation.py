@@ -52,6 +52,7 @@ def validate_config(cfg: DictConfig) -> None:
     if cfg.num_iterations < 1:
         raise ConfigError(f"num_iterations must be >= 1, got {cfg.num_iterations}")
     _check_settings(cfg)
+    _check_update_numerics(cfg)
     _check_rollout_backend(cfg)
     _check_evaluation_size(cfg)
     _check_precision(cfg)
@@ -73,6 +74,16 @@ def _check_settings(cfg: DictConfig) -> None:
         except Exception as err:  # Hydra wraps the dataclass's ValueError in InstantiationException
             cause = err.__cause__ or err
             raise ConfigError(f"{key}: {cause}") from err
+
+
+def _check_update_numerics(cfg: DictConfig) -> None:
+    """Truncated importance sampling needs two log-probs per token: the engine's and the trainer's."""
+    optim, rollout = cfg.optim, cfg.rollout
+    if float(optim.get("tis_cap", 0) or 0) > 0 and rollout.get("backend") == "vllm" and not rollout.get("recompute_old_logprobs"):
+        raise ConfigError(
+            f"optim.tis_cap={optim.tis_cap} weighs tokens by the trainer/engine log-prob ratio, but rollout.recompute_old_logprobs "
+            "is false (the trainer's log-probs are never computed): set rollout.recompute_old_logprobs=true or optim.tis_cap=0"
+        )
 
 
 def _check_rollout_backend(cfg: DictConfig) -> None:

@@ -16,6 +16,7 @@ from agentopsd.losses import (
     skill_sd_loss,
     token_entropy,
     token_logprobs,
+    truncated_is_weights,
 )
 
 
@@ -138,3 +139,61 @@ def test_token_entropy():
     assert token_entropy(uniform).tolist() == pytest.approx([math.log(4)] * 2)
     peaked = torch.tensor([[100.0, 0.0, 0.0]])
     assert token_entropy(peaked).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantage_tokens_by_hand():
+    """verl's dual-clip, clip_ratio_c = 3: for A < 0 the loss is min(max(-A r, -A clip(r)), -A c)."""
+    # ratios 4, 2, 4 (log 4, log 2, log 4); advantages -1, -1, +1; eps 0.2 / 0.24
+    lp = torch.tensor([[math.log(4.0), math.log(2.0), math.log(4.0)]], requires_grad=True)
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    per_token = []
+    for t in range(3):
+        m = torch.zeros(1, 3, dtype=torch.bool)
+        m[0, t] = True
+        loss, _ = clipped_policy_loss(lp, old, adv, m, clip_ratio_c=3.0)
+        per_token.append(float(loss))
+    # token 0: max(4, 1.24) = 4, dual-clipped to 3; token 1: max(2, 1.24) = 2 < 3; token 2: max(-4, -1.24) = -1.24 (A > 0 untouched)
+    assert per_token == pytest.approx([3.0, 2.0, -1.24], abs=1e-6)
+    loss, _ = clipped_policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    assert float(loss) == pytest.approx((3.0 + 2.0 - 1.24) / 3, abs=1e-6)
+    loss.backward()
+    # the dual-clipped token and the clipped positive one carry no gradient; token 1's is d(-A r)/dlp / 3 = r / 3
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 2.0 / 3, 0.0], abs=1e-6)
+    off, _ = clipped_policy_loss(lp.detach(), old, adv, mask)
+    assert float(off) == pytest.approx((4.0 + 2.0 - 1.24) / 3, abs=1e-6)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        clipped_policy_loss(lp, old, adv, mask, clip_ratio_c=0.5)
+
+
+def test_k3_value_clamp_like_verl_low_var_kl_by_hand():
+    """k3 = exp(r) - r - 1, r = ref - logp: r = 3 gives e^3 - 4 = 16.09, clamped to 10; r = -3 gives e^-3 + 2 = 2.05."""
+    lp = torch.zeros(1, 2, requires_grad=True)
+    ref = torch.tensor([[3.0, -3.0]])
+    assert kl_k3(lp, ref)[0].tolist() == pytest.approx([math.exp(3) - 4, math.exp(-3) + 2], abs=1e-5)
+    clamped = kl_k3(lp, ref, clamp=10.0)
+    assert clamped[0].tolist() == pytest.approx([10.0, math.exp(-3) + 2], abs=1e-5)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    loss, st = clipped_policy_loss(lp, torch.zeros(1, 2), torch.zeros(1), mask, ref_logprobs=ref, kl_coef=0.5, kl_clamp=10.0)
+    assert float(st.kl_loss) == pytest.approx(0.5 * (10.0 + math.exp(-3) + 2) / 2, abs=1e-5)
+    loss.backward()
+    # the clamped token has no gradient; the other: d/dlp (exp(r) - r - 1) = 1 - exp(r), times 0.5 / 2
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 0.25 * (1 - math.exp(-3))], abs=1e-6)
+
+
+def test_truncated_importance_sampling_weights_by_hand():
+    """w = min(exp(log pi_trainer - log pi_engine), cap): exp(0.5) = 1.6487 stays, exp(2) = 7.39 is capped at 2,
+    exp(-1) = 0.3679 stays; the policy loss of each token is multiplied by its weight."""
+    trainer = torch.tensor([[-1.0, 0.0, -2.0]])
+    engine = torch.tensor([[-1.5, -2.0, -1.0]])
+    w = truncated_is_weights(trainer, engine, cap=2.0)
+    assert w[0].tolist() == pytest.approx([math.exp(0.5), 2.0, math.exp(-1)], abs=1e-6)
+    lp = torch.zeros(1, 3, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    loss, _ = clipped_policy_loss(lp, torch.zeros(1, 3), adv, mask, is_weights=w)
+    # on-policy ratio 1: per-token loss -A, weighted
+    assert float(loss) == pytest.approx((-math.exp(0.5) + 2.0 - 2 * math.exp(-1)) / 3, abs=1e-6)
+    loss.backward()
+    assert lp.grad[0].tolist() == pytest.approx([-math.exp(0.5) / 3, 2.0 / 3, -2 * math.exp(-1) / 3], abs=1e-6)

@@ -203,3 +203,102 @@ def test_an_update_moves_an_action_the_way_of_its_advantage(tiny_walk_policy, si
     module.update(batch, 0)
     after = module.action_logprobs(batch, "student")[row][batch.action_mask[row]].sum()
     assert float(after - before) * sign > 1e-4, (float(before), float(after))
+
+
+def test_token_budget_groups_order_rows_by_length_within_the_budget():
+    from agentopsd.module import token_budget_groups
+
+    lengths = [5, 9, 3, 9, 4, 20, 6]
+    groups = token_budget_groups(lengths, 18)
+    assert groups == [[5], [1, 3], [6, 0, 4], [2]]  # longest first; equal lengths keep their order; 20 > 18 alone
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups[1:]:
+        assert len(g) * max(lengths[i] for i in g) <= 18
+
+
+def _update_grads(module, batch, monkeypatch, **optim):
+    """The gradient the optimizer gets in one update under these optim settings, the micro-batches' row lengths, the loss."""
+    import dataclasses
+
+    module.optim_cfg = dataclasses.replace(module.optim_cfg, **optim)
+    grads: dict[str, torch.Tensor] = {}
+    micro_lengths: list[list[int]] = []
+    real = module._micro_loss
+    with monkeypatch.context() as m:
+        m.setattr(module, "_optimizer_step", lambda *a: grads.update(
+            {k: p.grad.clone() for k, p in module.model.named_parameters() if p.grad is not None}))
+        m.setattr(module, "_micro_loss", lambda b, rows, *a: micro_lengths.append(b.attention_mask[rows].sum(1).tolist()) or real(b, rows, *a))
+        metrics, _ = module.update(batch, 0)
+    return grads, micro_lengths, metrics["loss/total"]
+
+
+def test_token_budget_micro_batches_give_the_fixed_row_loss_and_gradient(tiny_walk_policy, monkeypatch):
+    """Micro-batches cut by a token budget (rows ordered by length) give the loss and the gradient of
+    2-row micro-batches: the normaliser is the mini-batch's, so the split never changes the sum."""
+    module = make_module(tiny_walk_policy, algorithm=AgentOPSD(kl_coef=0.01, entropy_coef=0.001), ppo_epochs=1, num_mini_batches=1,
+                         micro_batch_size=2)
+    module.trainer = None
+    batch = module.rollout(_task_batch(0))
+    module.algorithm.assign(batch)
+    batch.advantages = torch.randn(batch.advantages.shape, generator=torch.Generator().manual_seed(0)) * batch.action_mask
+    opt = module.configure_optimizers()
+    module.optimizers, module.lr_schedulers = (lambda: opt["optimizer"]), (lambda: opt["lr_scheduler"]["scheduler"])
+    module.manual_backward = lambda loss: loss.backward()
+    rows_grads, rows_micro, rows_loss = _update_grads(module, batch, monkeypatch)
+    longest = int(batch.attention_mask.sum(1).max())
+    budget = 3 * longest
+    tok_grads, tok_micro, tok_loss = _update_grads(module, batch, monkeypatch, max_tokens_per_micro_batch=budget)
+    assert all(len(m) <= 2 for m in rows_micro) and len(rows_micro) == -(-batch.num_rows // 2)
+    assert any(len(m) > 2 for m in tok_micro) and len(tok_micro) < len(rows_micro)
+    for m in tok_micro:  # within the budget, longest first
+        assert len(m) * max(m) <= budget and m == sorted(m, reverse=True)
+    flat = [n for m in tok_micro for n in m]
+    assert flat == sorted(flat, reverse=True)
+    assert tok_loss == pytest.approx(rows_loss, rel=1e-5, abs=1e-7)
+    assert rows_grads.keys() == tok_grads.keys() and any(g.abs().max() > 0 for g in rows_grads.values())
+    for k, g in rows_grads.items():
+        torch.testing.assert_close(tok_grads[k], g, atol=1e-6, rtol=1e-4, msg=k)
+
+
+def test_sharded_scoring_with_a_token_budget_equals_fixed_rows(tiny_walk_policy):
+    """The sharded scoring passes (whole-model forwards of a few rows) cut by tokens give the fixed-row numbers."""
+    import dataclasses
+
+    module = make_module(tiny_walk_policy, micro_batch_size=2)
+    module.trainer = None
+    batch = module.rollout(_task_batch(0))
+    module._sharded = True  # the whole-model path; one process, so `padded` adds nothing
+    rows = {v: module.action_logprobs(batch, v) for v in ("student", "teacher")}
+    module.optim_cfg = dataclasses.replace(module.optim_cfg, max_tokens_per_micro_batch=int(batch.teacher_attention_mask.sum(1).max()) * 3)
+    for view, expected in rows.items():
+        got = module.action_logprobs(batch, view)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5, msg=view)
+        assert (got[~batch.action_mask] == 0).all()
+
+
+def test_the_reference_is_not_checkpointed_and_old_checkpoints_load(tiny_walk_policy):
+    """The frozen KL reference is rebuilt from the weights the module is built from, never saved:
+    no ``ref_model.*`` key in the state dict; a checkpoint that has them (older runs) still loads."""
+    module = make_module(tiny_walk_policy, algorithm=AgentOPSD(kl_coef=0.01))
+    assert module.ref_model is not None
+    state = module.state_dict()
+    assert state and not any(k.startswith("ref_model.") for k in state)
+    assert all(not p.requires_grad for p in module.ref_model.parameters())
+    old = {"state_dict": {**state, **{f"ref_model.{k}": v for k, v in module.ref_model.state_dict().items()}}}
+    module.on_load_checkpoint(old)
+    module.load_state_dict(old["state_dict"])  # strict: the reference's keys were dropped
+
+
+def test_truncated_importance_sampling_is_off_on_transformers_and_the_gap_warns(tiny_walk_policy, caplog):
+    import dataclasses
+    import logging
+
+    module = make_module(tiny_walk_policy, tis_cap=2.0)
+    assert not module.tis_active  # transformers: the behaviour log-probs are the trainer's own
+    module.rollout_cfg = dataclasses.replace(module.rollout_cfg, backend="vllm", recompute_old_logprobs=True)
+    assert module.tis_active
+    with caplog.at_level(logging.WARNING, logger="agentopsd.module"):
+        module._warn_on_logprob_gap(0.01)
+        assert not caplog.records
+        module._warn_on_logprob_gap(0.2)
+    assert "0.2000 exceeds optim.logprob_diff_warning=0.05" in caplog.text

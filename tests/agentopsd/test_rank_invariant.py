@@ -37,13 +37,13 @@ def _algorithm(path: Path):
     return dataclasses.replace(algo, kl_coef=0.01, entropy_coef=0.001)
 
 
-def _module(policy, algorithm, rank: int, fault_rate: float = 0.0, max_turns: int = 5) -> AgentRLModule:
+def _module(policy, algorithm, rank: int, fault_rate: float = 0.0, max_turns: int = 5, optim: dict | None = None) -> AgentRLModule:
     model, tokenizer = policy
     module = AgentRLModule(
         copy.deepcopy(model), tokenizer, algorithm=algorithm,
         env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=max_turns, output_format="action", fault_rate=fault_rate),
         rollout=RolloutConfig(max_new_tokens=5),
-        optim=OptimConfig(lr=1e-3, ppo_epochs=2, num_mini_batches=2, micro_batch_size=2),
+        optim=OptimConfig(**{"lr": 1e-3, "ppo_epochs": 2, "num_mini_batches": 2, "micro_batch_size": 2, **(optim or {})}),
         evaluation=EvalConfig(num_tasks=3, sampled_copies=1),
         num_iterations=2, seed=rank,
     )
@@ -67,14 +67,14 @@ def _tasks(rank: int) -> TaskBatch:
     return TaskBatch(0, tasks)
 
 
-def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True) -> SimulatedWorld:
+def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True, optim: dict | None = None) -> SimulatedWorld:
     world = SimulatedWorld(2, timeout=30)
     errors: dict[int, str] = {}
 
     def rank(r: int) -> None:
         try:
             with world.rank(r):
-                module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r])
+                module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r], optim=optim)
                 torch.manual_seed(r)
                 batch = module.rollout(_tasks(r))
                 module.algorithm.assign(batch, 0)
@@ -114,6 +114,19 @@ def test_one_rank_done_first_and_one_rank_without_rows(tiny_walk_policy):
     algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo_opsd"))
     _same(run_ranks(tiny_walk_policy, algo, max_turns=(5, 1), evaluate=False))
     _same(run_ranks(tiny_walk_policy, algo, fault_rank=0, evaluate=False))
+
+
+def test_token_budget_micro_batches_keep_ranks_in_step(tiny_walk_policy):
+    """Micro-batches and sharded scoring passes cut by a token budget: their count depends on each rank's
+    lengths, and is still agreed (dummy passes for the missing ones), also with one rank holding no rows.
+    The public runs' numerics (dual-clip, clamped KL) are on."""
+    algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo_opsd"))
+    optim = {"max_tokens_per_micro_batch": 500, "clip_ratio_c": 3.0, "kl_clamp": 10.0}
+    world = run_ranks(tiny_walk_policy, algo, evaluate=False, optim=optim)
+    _same(world)
+    agreed = [e for e in world.logs[0] if e[0] == "agree"]
+    assert any("update/micro-batches" in str(e) for e in agreed) and any("scoring/" in str(e) for e in agreed)
+    _same(run_ranks(tiny_walk_policy, algo, fault_rank=0, evaluate=False, optim=optim))
 
 
 def test_a_mismatch_is_caught(tiny_walk_policy, monkeypatch):
