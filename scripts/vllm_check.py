@@ -197,7 +197,7 @@ def check(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     t0 = time.perf_counter()
     generator = VLLMGenerator(str(path), tokenizer, dtype="float32", max_model_len=2048, seed=0,
-                              enforce_eager=True, max_num_seqs=max(16, args.batch))
+                              enforce_eager=True, max_num_seqs=max(16, args.batch), colocate=args.in_process)
     out["engine_start_s"] = round(time.perf_counter() - t0, 2)
     try:
         run_checks(args, out, generator, model, tokenizer, builder, prompts)

@@ -462,7 +462,7 @@ def test_vllm_sync_weights_merges_lora(monkeypatch, tok, tmp_path):
     wrapped = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"))
     layer = wrapped.base_model.model.model.layers[0].self_attn.q_proj
     torch.nn.init.constant_(layer.lora_B["default"].weight, 0.01)  # a non-zero update to merge
-    generator = VLLMGenerator(str(tmp_path), tok)
+    generator = VLLMGenerator(str(tmp_path), tok, dtype="float32")  # weights travel in the engine's float32
     generator.sync_weights(wrapped)
     loaded = dict(generator.llm.loaded)
     assert list(loaded) == list(plain_state)  # plain checkpoint names, no lora_ / base_layer
