@@ -10,7 +10,8 @@ What it counts, per GPU (bytes; printed in GiB):
   its gradient for the whole forward and backward (FSDP2 does not reshard the root after forward, and
   reduce-scatters its gradient last), plus two decoder layers (the one computing and the one
   prefetched) and one layer's gradient before its reduce-scatter; under DDP the gradient buckets;
-- activations at ``optim.micro_batch_size`` rows of ``env.max_prompt_tokens + rollout.max_new_tokens``
+- activations at ``optim.micro_batch_size`` rows (or, with ``optim.max_tokens_per_micro_batch``, as many
+  longest rows as the budget holds) of ``env.max_prompt_tokens + rollout.max_new_tokens``
   tokens: with gradient checkpointing each layer's input plus one layer recomputed (its activations and
   their gradients), without it every layer's activations;
 - the LM head's logits: ``vocab`` values and their gradient in the compute dtype per position the head
@@ -20,7 +21,16 @@ What it counts, per GPU (bytes; printed in GiB):
 - a frozen reference copy of the policy when ``algorithm.kl_coef > 0``, in the dtype the weights load in
   (``model.dtype``), sharded like the policy under FSDP2;
 - vLLM's share, ``rollout.vllm.gpu_memory_utilization`` x the GPU's memory (its weights, KV cache and
-  activations all live inside it), and a fixed margin for the CUDA context, NCCL and fragmentation.
+  activations all live inside it), and a fixed margin for the CUDA context, NCCL and fragmentation;
+- the weight sync's temporary memory: two full tensors of the largest weight in the dtype they travel in
+  (the one being gathered and the one the engine is loading).
+
+With vLLM the plan is the largest of three phases (``MemoryPlan.phases``). With sleep mode
+(``rollout.vllm.enable_sleep_mode``: ``auto``/true, on CUDA) the engine holds only a residual during the
+update and scoring passes (``VLLM_ASLEEP_BYTES``, an estimate), the sync runs with vLLM's weights awake but
+not its KV cache, and the rollout holds vLLM's whole share beside the sharded weights, AdamW states and
+reference (the trainer drops the gradients before waking the engine). Without sleep mode vLLM's share sits
+beside everything at every phase. These are estimates: no GPU has run this code yet.
 
 Estimates, not measurements: attention is assumed to be a fused kernel (no sequence x sequence
 matrix), and the per-layer activation count is the tensors a Qwen2 layer saves for its backward.
@@ -44,6 +54,8 @@ GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0
 """Planning default when no GPU is visible and none is named: an 80 GB A100/H100."""
 RUNTIME_MARGIN_BYTES = 2 * GIB
+VLLM_ASLEEP_BYTES = GIB
+"""What a vLLM engine keeps after ``sleep(level=2)`` (CUDA graphs, sampler buffers): an estimate, not measured."""
 """CUDA context (about 0.5 GiB), NCCL buffers and the caching allocator's fragmentation: a margin."""
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq, each the size of the parameters."""
@@ -297,14 +309,32 @@ class MemoryPlan:
     gpu_memory: int
     gpu_memory_source: str
     notes: tuple[str, ...] = ()
+    sleep_mode: bool = False
+    """vLLM sleeps (level 2) during the update and scoring passes."""
+    sync_temporary: int = 0
+    """The weight sync's full tensors in flight (two of the largest weight)."""
 
     @property
     def training(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.gathered + self.activations + self.logits + self.reference
 
     @property
+    def phases(self) -> dict[str, int]:
+        """Per-GPU bytes in each phase of an iteration (one phase, ``update``, without vLLM)."""
+        if not self.vllm:
+            return {"update": self.training + self.margin}
+        resident = self.weights + self.optimizer + self.reference + self.margin  # gradients dropped before the wake
+        if not self.sleep_mode:
+            return {"update": self.training + self.vllm + self.margin,
+                    "sync": resident + self.vllm + self.sync_temporary}
+        return {"update": self.training + VLLM_ASLEEP_BYTES + self.margin,
+                "sync": resident + self.vllm_weights + self.sync_temporary,
+                "rollout": resident + self.vllm}
+
+    @property
     def total(self) -> int:
-        return self.training + self.vllm + self.margin
+        """The largest phase: what the GPU must hold."""
+        return max(self.phases.values())
 
     @property
     def sharded_state(self) -> int:
@@ -327,25 +357,36 @@ class MemoryPlan:
     def _remedies(self) -> list[str]:
         out = []
         if self.strategy == "fsdp2":
-            rest = self.gpu_memory - (self.total - self.sharded_state)
-            full = self.sharded_state * self.world_size
-            if rest > 0:
-                need = -(-full // rest)
+            need = self._devices_needed()
+            if need:
                 out.append(f"more devices: trainer.devices x trainer.num_nodes >= {need} (now {self.world_size}; "
                            f"weights, gradients and AdamW states take {_gib(self.sharded_state)} GiB)")
         else:
             out.append(f"trainer=fsdp shards weights, gradients and AdamW states ({_gib(self.sharded_state)} GiB) over the devices")
         if self.micro_batch_size > 1:
-            out.append(f"a smaller optim.micro_batch_size (now {self.micro_batch_size}; activations and logits "
+            out.append(f"a smaller optim.micro_batch_size or optim.max_tokens_per_micro_batch (now {self.micro_batch_size} rows; activations and logits "
                        f"take {_gib(self.activations + self.logits)} GiB, proportional to it)")
         if not self.gradient_checkpointing:
             out.append("model.gradient_checkpointing=true (keeps one layer's activations instead of all)")
         if self.vllm:
             out.append(f"a lower rollout.vllm.gpu_memory_utilization (vLLM takes {_gib(self.vllm)} GiB; it needs "
                        f"{_gib(self.vllm_weights)} GiB for weights plus KV cache)")
+            if not self.sleep_mode:
+                out.append("rollout.vllm.enable_sleep_mode=auto (on a GPU vLLM frees its share during the update)")
         if self.reference:
             out.append(f"algorithm.kl_coef=0 drops the reference copy ({_gib(self.reference)} GiB)")
         return out
+
+    def _devices_needed(self) -> int:
+        """The fewest devices at which every phase fits, sharding what FSDP2 shards (0: none does)."""
+        sharded = {"update": self.sharded_state, "sync": self.weights + self.optimizer, "rollout": self.weights + self.optimizer}
+        need = 0
+        for phase, total in self.phases.items():
+            rest = self.gpu_memory - (total - sharded[phase])
+            if rest <= 0:
+                return 0
+            need = max(need, -(-sharded[phase] * self.world_size // rest))
+        return need
 
     @property
     def _entropy_note(self) -> str:
@@ -378,14 +419,21 @@ class MemoryPlan:
             rows.append(("reference policy (KL penalty, frozen, sharded like the policy)", self.reference))
         if self.vllm:
             rows.append((f"vLLM share (its weights: {_gib(self.vllm_weights)} GiB)", self.vllm))
+            rows.append(("weight sync in flight (2 x the largest weight)", self.sync_temporary))
         rows.append(("margin: CUDA context, NCCL, fragmentation", self.margin))
         width = max(len(r[0]) for r in rows) + 2
         lines = [f"memory plan per GPU: {self.model} ({a.parameters / 1e9:.2f}B parameters, {a.source}), {how}, "
                  f"precision {self.precision} "
                  f"(compute {self.compute_dtype})"]
         lines += [f"  {label:<{width}}{_gib(value):>8} GiB" for label, value in rows]
+        if self.vllm:
+            how_vllm = (f"vLLM sleeps during the update (keeps ~{_gib(VLLM_ASLEEP_BYTES)} GiB), wakes its weights for the sync, "
+                        "then its KV cache" if self.sleep_mode else "vLLM keeps its share through the update (no sleep mode)")
+            lines.append(f"  phases ({how_vllm}):")
+            lines += [f"    {phase:<{width - 2}}{_gib(value):>8} GiB" for phase, value in self.phases.items()]
         verdict = "fits" if self.total <= self.gpu_memory else "DOES NOT FIT"
-        lines.append(f"  {'total':<{width}}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB "
+        label = "total (largest phase)" if self.vllm else "total"
+        lines.append(f"  {label:<{width}}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB "
                      f"({self.gpu_memory_source}): {verdict}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -409,6 +457,9 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     micro = int(cfg.optim.micro_batch_size)
     new_tokens = int(cfg.rollout.max_new_tokens)
     seq = int(cfg.env.get("max_prompt_tokens", 1024)) + new_tokens
+    budget = int(OmegaConf.select(cfg, "optim.max_tokens_per_micro_batch", default=0) or 0)
+    if budget > 0:  # a token budget: micro-batches hold as many longest rows as fit (a longer row goes alone)
+        micro = max(1, budget // seq)
     # the head runs only before action tokens (a sharded model's whole call passes them as logits_to_keep)
     head_positions = micro * new_tokens
     checkpointing = bool(model_cfg.get("gradient_checkpointing", False))
@@ -456,6 +507,10 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     vllm_dtype = str(vllm_cfg.get("dtype", "auto"))
     vllm_dtype = arch.checkpoint_dtype if vllm_dtype == "auto" else vllm_dtype
     vllm = int(float(vllm_cfg.get("gpu_memory_utilization", 0.5)) * gpu_bytes) if uses_vllm else 0
+    # the sync's dtype: the engine's when float32/float16, else bfloat16 (agentopsd.rollout.vllm_backend)
+    sync_bytes = DTYPE_BYTES.get(vllm_dtype, 2) if vllm_dtype in ("float32", "float", "float16", "half") else 2
+    largest = max(arch.vocab_size * arch.hidden_size, arch.intermediate_size * arch.hidden_size)
+    sleep_setting = str(vllm_cfg.get("enable_sleep_mode", "auto")).lower()
     return MemoryPlan(
         **common,
         weights=-(-params * pb // shards),
@@ -469,6 +524,8 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         vllm_weights=params * DTYPE_BYTES.get(vllm_dtype, 2) if uses_vllm else 0,
         entropy_bonus=entropy,
         margin=RUNTIME_MARGIN_BYTES,
+        sleep_mode=uses_vllm and sleep_setting not in ("false", "0", "no", "off"),
+        sync_temporary=2 * largest * sync_bytes if uses_vllm else 0,
     )
 
 

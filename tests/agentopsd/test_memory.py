@@ -78,17 +78,42 @@ def test_the_7b_arithmetic_by_hand() -> None:
     assert plan.vllm == int(0.4 * 80 * GIB)  # rollout.vllm.gpu_memory_utilization 0.4
     assert plan.vllm_weights == params * 2  # vLLM's bf16 copy
     assert plan.margin == 2 * GIB
-    expected_total = (3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 7_474_249_728 + 3_807_808_256
-                      + int(0.4 * 80 * GIB) + 2 * GIB)
-    assert plan.total == expected_total
-    assert round(plan.total / GIB, 2) == 75.08
+    # the sync: two full bf16 copies of the largest weight (the 152064 x 3584 embedding or head)
+    assert plan.sync_temporary == 2 * vocab * h * 2
+    training = 3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 7_474_249_728 + 3_807_808_256
+    resident = 3_807_808_256 * 3 + 3_807_808_256 + 2 * GIB  # weights, AdamW, reference, margin: no gradients
+    # sleep mode (enable_sleep_mode: auto): vLLM keeps ~1 GiB through the update, wakes weights for the sync
+    assert plan.sleep_mode and plan.phases == {
+        "update": training + memory.VLLM_ASLEEP_BYTES + 2 * GIB,
+        "sync": resident + params * 2 + 2 * vocab * h * 2,
+        "rollout": resident + int(0.4 * 80 * GIB),
+    }
+    assert plan.total == max(plan.phases.values()) == resident + int(0.4 * 80 * GIB)  # the rollout is the peak
+    assert round(plan.total / GIB, 2) == 48.19
     assert plan.warnings == []  # fits
     report = plan.report()
-    assert "7.62B parameters" in report and "FSDP2 over 8 device(s)" in report and "75.08 GiB of 80.00 GiB" in report
+    assert "7.62B parameters" in report and "FSDP2 over 8 device(s)" in report and "48.19 GiB of 80.00 GiB" in report
+    # without sleep mode vLLM's share sits beside the update, as before
+    awake = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed",
+                                        "model.dtype=float32", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.001",
+                                        "rollout.vllm.enable_sleep_mode=false"]), gpu_memory_gib=80)
+    expected_total = training + int(0.4 * 80 * GIB) + 2 * GIB
+    assert not awake.sleep_mode and awake.total == expected_total and round(awake.total / GIB, 2) == 75.08
     # the shipped setting loads bf16 weights: the reference copy is bf16, the master weights float32
-    shipped = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8"]), 80)
+    shipped = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "rollout.vllm.enable_sleep_mode=false"]), 80)
     assert shipped.param_dtype == "float32" and shipped.reference == params * 2 // 8
-    assert shipped.total == expected_total - 3_807_808_256 + params * 2 // 8
+    assert shipped.phases["update"] == expected_total - 3_807_808_256 + params * 2 // 8
+
+
+def test_alfworld_3b_fits_one_80_gib_gpu_with_sleep_mode_and_not_without() -> None:
+    """Issue 28: 99.44 GiB planned with vLLM awake through the update; sleep mode frees its 32 GiB there."""
+    plan = plan_memory(compose_config(["+experiment=alfworld_3b", "trainer.devices=1"]), gpu_memory_gib=80)
+    assert plan.sleep_mode and plan.total <= 80 * GIB and plan.warnings == []
+    assert max(plan.phases, key=plan.phases.get) == "rollout"  # vLLM's share beside weights, AdamW, reference
+    assert "fits" in plan.report() and "wakes its weights for the sync" in plan.report()
+    awake = plan_memory(compose_config(["+experiment=alfworld_3b", "trainer.devices=1", "rollout.vllm.enable_sleep_mode=false"]),
+                        gpu_memory_gib=80)
+    assert awake.total > 80 * GIB and "enable_sleep_mode=auto" in awake.warnings[0]
 
 
 def test_bf16_true_halves_the_state_and_ddp_shards_nothing() -> None:
