@@ -69,6 +69,30 @@ def test_vllm_backend_matches_transformers_and_syncs_weights(engine, tmp_path):
         assert summary["collector"]["ok"] and summary["collector"]["turns"] > 0
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_ranks_each_run_their_own_colocated_engine(tmp_path):
+    """torchrun, 2 processes, gloo: external_launcher engines in their own processes, seeds by rank, and
+    after a streamed sync from FSDP2 shards the engine's log-probs equal the sharded model's forward."""
+    python = _vllm_python()
+    out = tmp_path / "out"
+    cmd = [str(python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29531",
+           str(ROOT / "scripts" / "vllm_colocate_check.py"), "--workdir", str(tmp_path / "work"), "--json-out", str(out)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    env["OMP_NUM_THREADS"] = "1"
+    returncode, tail = _run_in_own_group(cmd, env, timeout=360)
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").is_file()]
+    assert len(ranks) == 2, f"rc={returncode}:\n{tail}"
+    assert returncode == 0 and all(r["ok"] for r in ranks), f"{[r['failures'] for r in ranks]}\n{tail}"
+    assert ranks[0]["pid"] != ranks[1]["pid"] and all(r["engine_in_process"] for r in ranks)
+    assert all(r["executor"] == "external_launcher" for r in ranks)
+    assert [r["environ"]["RANK"] for r in ranks] == ["0", "1"] and ranks[1]["environ"]["WORLD_SIZE"] == "2"
+    assert [r["engine_seed"] for r in ranks] == [5, 6] and ranks[1]["samples_differ_from_rank0"][1]
+    assert all(r["sharded"] == "DTensor" and r["first_sync_bytes"] == 0 and r["sync_bytes"] > 0 for r in ranks)
+    assert all(r["max_abs_logprob_diff_after_sync"] <= 1e-4 and r["changed"] > 0 for r in ranks)
+
+
 # ------------------------------------------------------------------------------------------------
 # The worker-process transport, without vLLM: chunks, their round trip, and the staged load.
 
