@@ -132,6 +132,14 @@ def apply_lora(model: PreTrainedModel, lora: dict[str, Any]) -> PreTrainedModel:
     return peft.get_peft_model(model, config)
 
 
+def local_rank() -> int:
+    """This process's rank on its node, from the launcher's environment (Lightning, torchrun, SLURM); 0 alone."""
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
+
+
 def load_policy(
     path: str,
     *,
@@ -140,19 +148,31 @@ def load_policy(
     lora: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    meta_on_other_ranks: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local folder or hub id (see :func:`resolve_model_path`).
 
     ``dtype``: float32, bfloat16, float16 or auto (the checkpoint's). Gradient checkpointing is the
     non-reentrant kind (works with LoRA's frozen inputs). A tokenizer without a pad token gets
     pad = eos (:func:`ensure_pad_token`).
+
+    ``meta_on_other_ranks`` (FSDP2 only, ``trainer=fsdp``): only a node's local rank 0 reads the
+    weights; the node's other processes build the model on the meta device (no host memory), and
+    after sharding rank 0 broadcasts the weights into every rank's shards
+    (:func:`agentopsd.module.fill_from_rank0`): one copy of the weights per node in host memory, not one per process.
     """
     kwargs = _dtype_kwargs(dtype)
     resolved = resolve_model_path(path)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(resolved, trust_remote_code=trust_remote_code, **kwargs)
+    if meta_on_other_ranks and local_rank() != 0:
+        config = transformers.AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+        log.info("local rank %d: policy %s built on the meta device (its weights come from rank 0 after sharding)", local_rank(), path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(resolved, trust_remote_code=trust_remote_code, **kwargs)
     ensure_pad_token(tokenizer, model)
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)

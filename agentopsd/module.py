@@ -83,6 +83,24 @@ def needs_float32_master(precision: str) -> bool:
     return precision not in ("bf16-true", "16-true", "bf16", "16", "half")
 
 
+def fill_from_rank0(model: nn.Module, full_state: dict[str, Tensor], device: str | torch.device) -> None:
+    """Give a ``fully_shard``-ed model rank 0's weights: every rank calls it; rank 0 passes its full
+    state dict (other ranks' entries are ignored), a rank whose model was built on the meta device
+    first allocates its shards (``to_empty``). The weights travel one tensor at a time
+    (``set_model_state_dict(..., broadcast_from_rank0=True)``); buffers outside the state dict
+    (rotary ``inv_freq``) are broadcast too, since ``to_empty`` leaves them uninitialised."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    saved = set(model.state_dict())
+    for name, buf in model.named_buffers():
+        if name not in saved:
+            dist.broadcast(buf, src=0)
+
+
 def upcast_half_params(model: nn.Module) -> bool:
     """Make a model with bf16/fp16 parameters float32 (``Module.float``, which FSDP2 supports after
     ``fully_shard`` and before the first forward: each rank converts its shard); True if it did."""
@@ -241,6 +259,9 @@ class AgentRLModule(L.LightningModule):
         # optimizer must update float32 weights. Sharded, each rank converts only its own shard.
         upcast = needs_float32_master(precision)
         if self._sharded or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            if not self._sharded and any(p.is_meta for p in self.model.parameters()):
+                raise RuntimeError("the policy was built on the meta device (model.meta_on_other_ranks=true), which only "
+                                   "trainer=fsdp fills (rank 0 broadcasts the weights after sharding): set it false here")
             if upcast and upcast_half_params(self.model):
                 log.info("trainer.precision=%s: half-precision weights upcast to float32 master weights", precision)
             return
@@ -251,6 +272,17 @@ class AgentRLModule(L.LightningModule):
         policy = fsdp_mixed_precision(str(self.trainer.precision))
         if policy is not None:
             kwargs["mp_policy"] = policy
+        # model.meta_on_other_ranks: a node's other processes built the policy on the meta device (no host
+        # memory); after sharding, rank 0 broadcasts its weights into every rank's shards, the reference's too
+        on_meta = any(p.is_meta for p in self.model.parameters())
+        from_rank0 = distributed.any_rank(on_meta, "model/meta-build")
+        full_state: dict[str, Tensor] = {}
+        if from_rank0:
+            if on_meta and rank_and_world()[0] == 0:
+                raise RuntimeError("global rank 0 built the policy on the meta device: it must hold the weights it broadcasts")
+            full_state = {} if on_meta else dict(self.model.state_dict())
+            if self.ref_model is not None:
+                self.ref_model.to("meta")  # its copy of the initial weights is refilled from rank 0's broadcast
         layers = getattr(getattr(self.model, "model", None), "layers", None)
         for layer in layers if layers is not None else []:
             fully_shard(layer, **kwargs)
@@ -260,6 +292,11 @@ class AgentRLModule(L.LightningModule):
             for layer in getattr(getattr(self.ref_model, "model", None), "layers", None) or []:
                 fully_shard(layer, **kwargs)
             fully_shard(self.ref_model, **kwargs)
+        if from_rank0:
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    fill_from_rank0(m, full_state, mesh.device_type)
+            del full_state
         self._sharded = True
         if upcast and upcast_half_params(self.model):
             log.info("trainer.precision=%s: half-precision weight shards upcast to float32 master weights", precision)
