@@ -93,6 +93,22 @@ def test_two_ranks_each_run_their_own_colocated_engine(tmp_path):
     assert all(r["max_abs_logprob_diff_after_sync"] <= 1e-4 and r["changed"] > 0 for r in ranks)
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sync_benchmark_runs_and_the_stream_holds_less_than_the_old_paths(tmp_path):
+    python = _vllm_python()
+    out = tmp_path / "sync.md"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    returncode, tail = _run_in_own_group([str(python), str(ROOT / "benchmarks" / "sync.py"), "--layers", "1", "--repeats", "1",
+                                          "--out", str(out)], env, timeout=360)
+    assert returncode == 0 and out.is_file(), tail
+    methods = json.loads(out.with_suffix(".json").read_text())["methods"]
+    new, old = methods["new: streamed bf16"], methods["old: list of float32"]
+    assert new["peak_extra_mb"] < old["peak_extra_mb"] < methods["old: serialised chunks"]["peak_extra_mb"]
+    assert "| new: streamed bf16 |" in out.read_text()
+
+
 # ------------------------------------------------------------------------------------------------
 # The worker-process transport, without vLLM: chunks, their round trip, and the staged load.
 
