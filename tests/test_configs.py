@@ -139,7 +139,12 @@ def test_ckpt_path_last_must_exist(tmp_path):
     with pytest.raises(ConfigError, match="ckpt_path"):
         resolve_ckpt_path("last", tmp_path)
     (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")  # not a checkpoint: refused, naming the file
+    with pytest.raises(ConfigError, match="last.ckpt is unreadable"):
+        resolve_ckpt_path("last", tmp_path)
+    import torch
+
+    torch.save({"state_dict": {}}, tmp_path / "checkpoints" / "last.ckpt")
     assert resolve_ckpt_path("last", tmp_path).endswith("last.ckpt")
 
 

@@ -15,6 +15,7 @@ stop set). Tokens are drawn with one uniform per row through the row's cumulativ
 from __future__ import annotations
 
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,8 +93,10 @@ class HFGenerator:
         input_ids, mask = _left_pad(prompts, width, max_new, self._pad_id())
         input_ids, mask = input_ids.to(device), mask.to(device)
         position_ids = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
-        last_logits = _last_logits_fn(model, whole=self.synced_gpus)
-        prepared = _takes_prepared_mask(model) and not self.synced_gpus
+        # a sharded (FSDP2) model gathers its root's parameters only when called whole, one process or many
+        whole = self.synced_gpus or _is_sharded(model)
+        last_logits = _last_logits_fn(model, whole=whole)
+        prepared = _takes_prepared_mask(model) and not whole
         cache = _new_cache(model, capacity=width + max_new)
         in_place = _preallocated_layers(cache)
         can_shrink = in_place or hasattr(cache, "batch_select_indices")
@@ -467,6 +470,11 @@ def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
+    return any(type(p).__name__ == "DTensor" for p in itertools.islice(model.parameters(), 1))
 
 
 def _base_model(model: nn.Module) -> nn.Module:
