@@ -1,8 +1,15 @@
-"""Pieces every text environment shares: the text spaces and action cleaning."""
+"""Pieces every text environment shares: the contract the trainer reads, the text spaces and action cleaning.
+
+The contract (:class:`TextEnv`) is what the rest of the project may rely on; a new environment family
+implements it and registers its ids (see the README's "Adding an environment"). The contract test
+(``tests/envs/test_contract.py``) checks every registered ``agentopsd/*`` id against it.
+"""
 
 from __future__ import annotations
 
+import importlib
 import string
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from gymnasium import spaces
 
@@ -10,6 +17,67 @@ from gymnasium import spaces
 CHARSET = frozenset(string.printable)
 MAX_OBS_CHARS = 16_384
 MAX_ACTION_CHARS = 1_024
+
+RESET_INFO_KEYS = ("task", "skill_key")
+"""Keys every ``reset`` info holds: ``task`` (the instruction, str, shown in every prompt) and ``skill_key``
+(str, which skills of a SkillBank apply). Optional: ``admissible_actions`` (list of str, shown to the policy
+when present), ``task_type`` (str, per-type success), ``expert_steps`` (int, the expert's episode length, -1
+unknown)."""
+STEP_INFO_KEYS = ("won", "action_valid")
+"""Keys every ``step`` info holds: ``won`` (bool, the success bit behind the outcome reward) and ``action_valid``
+(bool: False charges the invalid-action penalty; the env's state must not change). Optional:
+``admissible_actions`` (replaces the list shown), ``score`` (float in [0, 1], the graded reward
+``env.reward=score`` uses)."""
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """What the trainer, the collector, the evaluation and the study read from an environment.
+
+    ``gym.make(env_id, split=..., max_episode_steps=..., **kwargs)`` builds one; ``split`` is ``train`` or
+    ``eval`` (the evaluation's fixed list). Observations and actions are text (``observation_space()``,
+    ``action_space()``); ``reset(options={"task_index": i})`` starts task ``i`` of the split deterministically
+    (``seed`` alone draws one), and its info holds ``RESET_INFO_KEYS``; ``step`` infos hold ``STEP_INFO_KEYS``.
+
+    Capabilities:
+
+    - ``num_tasks``: how many tasks the split holds (required: the task stream and the evaluation size read it);
+    - ``expert_action()``: the env's expert's next action from the current state (required: warm-start
+      demonstrations; the ground-truth labels of :mod:`agentopsd.study.groundtruth`);
+    - ``state_snapshot``: True when ``copy.deepcopy(env)`` is an exact and cheap snapshot of the episode, so a
+      logged trajectory can be replayed from its task index and labelled turn by turn (the run report's
+      ground-truth panel is drawn only for such envs; optional, default False);
+    - ``lift_step_limit(extra_steps)``: reopen an episode the env's own step limit closed (optional: the expert
+      label runs the expert past the episode's budget on a copy).
+    """
+
+    num_tasks: int
+    state_snapshot: ClassVar[bool]
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]: ...
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]: ...
+
+    def expert_action(self) -> str: ...
+
+
+def env_class(env_id: str) -> type:
+    """The class behind a registered id, without building an env (its module is imported, its engine is not)."""
+    import gymnasium as gym
+
+    import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
+
+    entry = gym.spec(env_id).entry_point
+    if callable(entry):
+        return entry if isinstance(entry, type) else type(entry)
+    module, _, name = str(entry).partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def has_state_snapshot(env_id: str) -> bool:
+    """Can a logged episode of ``env_id`` be replayed and labelled by its expert (``TextEnv.state_snapshot``)?"""
+    cls = env_class(env_id)
+    return bool(getattr(cls, "state_snapshot", False)) and callable(getattr(cls, "expert_action", None))
 
 
 def observation_space(max_length: int = MAX_OBS_CHARS) -> spaces.Text:
