@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import string
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gymnasium import spaces
 
@@ -52,7 +52,6 @@ class TextEnv(Protocol):
     """
 
     num_tasks: int
-    state_snapshot: ClassVar[bool]
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]: ...
 
