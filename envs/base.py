@@ -79,6 +79,60 @@ def has_state_snapshot(env_id: str) -> bool:
     return bool(getattr(cls, "state_snapshot", False)) and callable(getattr(cls, "expert_action", None))
 
 
+def check_contract(env_id: str, *, steps: int = 3, **kwargs: Any) -> None:
+    """Raise AssertionError naming the broken part of :class:`TextEnv` for ``env_id`` (both splits).
+
+    Resets task 0 of each split, plays ``steps`` expert actions and one invalid action, and checks the info keys,
+    their types, that an invalid action leaves the observation's state alone, that a reset of the same task index
+    gives the same start, and, where ``state_snapshot`` is set, that a deep copy continued with the same action
+    gives the same observation. ``kwargs`` go to ``gym.make``. Used by ``tests/envs/test_contract.py`` on every
+    registered ``agentopsd/*`` id.
+    """
+    import copy
+
+    import gymnasium as gym
+
+    import agentopsd.envs  # noqa: F401
+
+    for split in ("train", "eval"):
+        env = gym.make(env_id, split=split, disable_env_checker=True, **kwargs)
+        try:
+            raw = env.unwrapped
+            assert isinstance(raw, TextEnv), f"{env_id}: lacks part of TextEnv (num_tasks, reset, step, expert_action)"
+            assert isinstance(raw.num_tasks, int) and raw.num_tasks > 0, f"{env_id} {split}: num_tasks={raw.num_tasks!r}"
+            obs, info = env.reset(options={"task_index": 0})
+            again, info_again = env.reset(options={"task_index": 0})
+            assert (obs, info.get("task")) == (again, info_again.get("task")), f"{env_id} {split}: task 0 resets differently"
+            assert isinstance(obs, str) and obs, f"{env_id} {split}: reset gave no text observation"
+            for key in RESET_INFO_KEYS:
+                assert isinstance(info.get(key), str), f"{env_id} {split}: reset info[{key!r}] is {info.get(key)!r}, not a str"
+            _check_admissible(env_id, info)
+            obs, _, _, _, bad = env.step("xyzzy plugh 42")
+            assert bad.get("action_valid") is False, f"{env_id} {split}: an invalid action has action_valid={bad.get('action_valid')!r}"
+            for _ in range(steps):
+                action = raw.expert_action()
+                assert isinstance(action, str) and action, f"{env_id} {split}: expert_action() gave {action!r}"
+                twin = copy.deepcopy(env) if getattr(raw, "state_snapshot", False) else None
+                obs, _, terminated, truncated, info = env.step(action)
+                if twin is not None:
+                    assert twin.step(action)[0] == obs, f"{env_id} {split}: a snapshot continued differently"
+                assert isinstance(obs, str), f"{env_id} {split}: step gave a {type(obs).__name__} observation"
+                for key in STEP_INFO_KEYS:
+                    assert isinstance(info.get(key), bool), f"{env_id} {split}: step info[{key!r}] is {info.get(key)!r}, not a bool"
+                assert info["action_valid"], f"{env_id} {split}: the expert's action {action!r} is invalid"
+                _check_admissible(env_id, info)
+                if terminated or truncated:
+                    break
+        finally:
+            env.close()
+
+
+def _check_admissible(env_id: str, info: dict[str, Any]) -> None:
+    actions = info.get("admissible_actions")
+    assert actions is None or (isinstance(actions, list | tuple) and all(isinstance(a, str) for a in actions)), (
+        f"{env_id}: admissible_actions must be a list of str, got {actions!r}")
+
+
 def observation_space(max_length: int = MAX_OBS_CHARS) -> spaces.Text:
     return spaces.Text(min_length=0, max_length=max_length, charset=CHARSET)
 
