@@ -540,7 +540,7 @@ def test_decoder_and_head_apart_with_prepared_masks_change_no_bit(tok, monkeypat
     fast = HFGenerator(model, tok).generate(prompts, sampling)
     assert decode_masks and all(m["full_attention"] is None for m in decode_masks) == (case == "alone")
     monkeypatch.setattr(hf_module, "_takes_prepared_mask", lambda model: False)
-    monkeypatch.setattr(hf_module, "_decoder_and_head", lambda model: None)
+    monkeypatch.setattr(hf_module, "decoder_and_head", lambda model: None)
     whole = HFGenerator(model, tok).generate(prompts, sampling)
     assert [(g.token_ids, g.logprobs, g.finish_reason) for g in fast] == [(g.token_ids, g.logprobs, g.finish_reason) for g in whole]
 
