@@ -70,9 +70,23 @@ def _set(batch: Mapping | object, key: str, value: object) -> None:
 
 def _check_mix(lam: float, band: float) -> None:
     if not 0.0 <= lam <= 1.0:
-        raise ValueError(f"algorithm.mult_lambda must be in [0, 1], got {lam}")
+        raise ValueError(f"algorithm.mult_lambda must be in [0, 1], got {lam}; 0 is GRPO, the paper uses 0.5")
     if not 0.0 < band < 1.0:
-        raise ValueError(f"algorithm.mult_band must be in (0, 1), got {band}")
+        raise ValueError(f"algorithm.mult_band must be in (0, 1), got {band}; the paper uses 0.2")
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+"""Every algorithm class by its default ``name`` (filled by :func:`register`). The yaml files of
+``conf/algorithm/`` choose among them and set their knobs; tests iterate over both."""
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator: make an ``Algorithm`` subclass known by its default ``name`` (one class per name)."""
+    name = cls.name
+    if name in ALGORITHMS and ALGORITHMS[name] is not cls:
+        raise ValueError(f"algorithm name {name!r} is taken by {ALGORITHMS[name].__qualname__}")
+    ALGORITHMS[name] = cls
+    return cls
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,7 @@ def _row_advantages(batch: Mapping | object) -> Tensor:
     return seq_adv if token_turn is not None else seq_adv[_get(batch, "turn_traj").long()]
 
 
+@register
 @dataclass(frozen=True)
 class Algorithm:
     """GRPO: every token of a trajectory gets its sequence advantage."""
@@ -203,6 +218,7 @@ class Algorithm:
         return None
 
 
+@register
 @dataclass(frozen=True)
 class AgentOPSD(Algorithm):
     """Turn-level credit by recursive belief revision (the paper's method)."""
@@ -225,7 +241,7 @@ class AgentOPSD(Algorithm):
         super().__post_init__()
         _check_mix(self.mult_lambda, self.mult_band)
         if not 0.0 <= self.gap_decay_gamma <= 1.0:
-            raise ValueError(f"algorithm.gap_decay_gamma must be in [0, 1], got {self.gap_decay_gamma}")
+            raise ValueError(f"algorithm.gap_decay_gamma must be in [0, 1], got {self.gap_decay_gamma}; the paper uses 0.95")
         if self.mode not in MODES:
             raise ValueError(f"algorithm.mode must be one of {MODES}, got {self.mode!r}")
 
@@ -305,6 +321,7 @@ class AgentOPSD(Algorithm):
         return credit
 
 
+@register
 @dataclass(frozen=True)
 class RLSD(Algorithm):
     """Token multiplier ``clip(exp(sign(A) delta_t), 1-b, 1+b)`` mixed with lam (baseline)."""
@@ -322,7 +339,8 @@ class RLSD(Algorithm):
         super().__post_init__()
         _check_mix(self.mult_lambda, self.mult_band)
         if self.lambda_warmdown_steps < 0:
-            raise ValueError(f"algorithm.lambda_warmdown_steps must be >= 0 (0 = constant lambda), got {self.lambda_warmdown_steps}")
+            raise ValueError(f"algorithm.lambda_warmdown_steps must be >= 0 (0 = constant lambda; RLSD's public runs use 100), "
+                             f"got {self.lambda_warmdown_steps}")
 
     def lambda_at(self, step: int) -> float:
         return lambda_at(self.mult_lambda, step, self.lambda_warmdown_steps)
@@ -339,6 +357,7 @@ class RLSD(Algorithm):
         return {}
 
 
+@register
 @dataclass(frozen=True)
 class StepOPSD(Algorithm):
     """Turn-level, locally scored: ``w_k = clip(exp(sign(A) * mean_t delta_{k,t}), 1-b, 1+b)`` (baseline)."""
@@ -360,6 +379,7 @@ class StepOPSD(Algorithm):
         return {}
 
 
+@register
 @dataclass(frozen=True)
 class GiGPO(Algorithm):
     """Episode-level GRPO advantage plus a step-level advantage from anchor states (no teacher view).
@@ -380,7 +400,7 @@ class GiGPO(Algorithm):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"algorithm.gamma must be in [0, 1], got {self.gamma}")
+            raise ValueError(f"algorithm.gamma must be in [0, 1], got {self.gamma}; GiGPO uses 0.95")
         if self.step_weight < 0:
             raise ValueError(f"algorithm.step_weight must be >= 0, got {self.step_weight}")
         if self.norm not in GIGPO_NORMS:
@@ -404,6 +424,7 @@ class GiGPO(Algorithm):
         return {"step_advantages": step_adv, "step_groups": groups, "turn_mask": view.mask}
 
 
+@register
 @dataclass(frozen=True)
 class GRPOOPSD(Algorithm):
     """GRPO plus a token-level distillation loss KL(teacher || student) over the vocabulary."""
@@ -420,6 +441,7 @@ class GRPOOPSD(Algorithm):
             raise ValueError(f"algorithm.distill_coef must be >= 0, got {self.distill_coef}")
 
 
+@register
 @dataclass(frozen=True)
 class SDAR(Algorithm):
     """GRPO plus confidence-gated distillation: ``mean_t g_t (log pi_T - log pi_S)``, ``g_t = sigmoid(beta delta_t)``."""
@@ -443,6 +465,7 @@ class SDAR(Algorithm):
         return self.distill_coef * loss
 
 
+@register
 @dataclass(frozen=True)
 class SkillSD(Algorithm):
     """GRPO plus Skill-SD's self-distillation loss ``mean_t rho_t k3_t`` toward the detached teacher view."""

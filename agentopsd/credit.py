@@ -314,6 +314,12 @@ def stepopsd_multipliers(seq_advantages: Tensor, turn_mean_gaps: Tensor, turn_ma
     return torch.where(turn_mask, w, torch.ones((), dtype=dtype, device=w.device))
 
 
+def applied_multiplier(multipliers, lam: float):
+    """What the mixing rule multiplies A by: ``(1 - lam) + lam * w``, for a tensor or a plain float ``w``
+    (the run report draws it per turn)."""
+    return (1 - lam) + lam * multipliers
+
+
 def mix_advantages(seq_advantages: Tensor, multipliers: Tensor, lam: float) -> Tensor:
     """Step 10, the one mixing rule of every multiplier method: ``A * ((1 - lam) + lam * w)``.
 
@@ -326,7 +332,7 @@ def mix_advantages(seq_advantages: Tensor, multipliers: Tensor, lam: float) -> T
     if multipliers.shape[:1] != seq_advantages.shape:
         raise ValueError(f"multipliers must be [B={seq_advantages.shape[0]}, ...], got {tuple(multipliers.shape)}")
     adv = seq_advantages.detach().to(multipliers.dtype).reshape(-1, *([1] * (multipliers.ndim - 1)))
-    return adv * ((1 - lam) + lam * multipliers)
+    return adv * applied_multiplier(multipliers, lam)
 
 
 def lambda_at(lam: float, step: int, warmdown_steps: int = 0) -> float:

@@ -330,20 +330,8 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
         model_info = {"name": str(policy_cfg["path"]), "source": str(policy_cfg["path"]),
                       "iterations_done": (meta or {}).get("iterations_done"), "exported_from": (meta or {}).get("checkpoint")}
 
-    algorithm_cfg = cfg.algorithm
-    algo_kwargs = {"kl_coef": 0.0} if "kl_coef" in algorithm_cfg else {}  # no frozen reference copy: nothing is trained
-    module = _eval_module_class()(
-        model,
-        tokenizer,
-        algorithm=instantiate(algorithm_cfg, **algo_kwargs),
-        env=instantiate(cfg.env),
-        rollout=instantiate(cfg.rollout),
-        optim=instantiate(cfg.optim),
-        evaluation=instantiate(cfg.evaluation),
-        num_iterations=cfg.num_iterations,
-        seed=cfg.seed,
-        model_path=model_path,
-    )
+    algo_kwargs = {"kl_coef": 0.0} if "kl_coef" in cfg.algorithm else {}  # no frozen reference copy: nothing is trained
+    module = _eval_module_class().from_config(cfg, model, tokenizer, model_path=model_path, **algo_kwargs)
     trainer = instantiate(cfg.trainer, logger=False, callbacks=[], enable_progress_bar=False, enable_model_summary=False,
                           default_root_dir=str(eval_dir))
     import torch

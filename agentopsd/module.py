@@ -52,6 +52,7 @@ from agentopsd.scoring import (
     SCORING_HEAD_POSITIONS,
     SCORING_ROWS_TOKENS,
     checkpointing,
+    decoder_and_head,
     hidden_at,
     sharing_order,
     token_slices,
@@ -183,6 +184,27 @@ def _metric_rule(key: str) -> str:
 
 class AgentRLModule(L.LightningModule):
     """GRPO-family RL of a causal LM agent in a Gymnasium text environment."""
+
+    @classmethod
+    def from_config(cls, cfg, model: nn.Module, tokenizer: object, *, model_path: str | None = None,
+                    **algorithm_overrides) -> AgentRLModule:
+        """The module a composed run config describes (``train.py`` and ``agentopsd-eval`` build it here): the
+        ``algorithm``, ``env``, ``rollout``, ``optim`` and ``evaluation`` groups instantiated, ``algorithm_overrides``
+        applied to the algorithm."""
+        from hydra.utils import instantiate
+
+        return cls(
+            model,
+            tokenizer,
+            algorithm=instantiate(cfg.algorithm, **algorithm_overrides),
+            env=instantiate(cfg.env),
+            rollout=instantiate(cfg.rollout),
+            optim=instantiate(cfg.optim),
+            evaluation=instantiate(cfg.evaluation),
+            num_iterations=cfg.num_iterations,
+            seed=cfg.seed,
+            model_path=model_path,
+        )
 
     def __init__(
         self,
@@ -518,9 +540,7 @@ class AgentRLModule(L.LightningModule):
         parameters (embeddings, head) only when called itself."""
         if self._sharded:
             return None, None
-        decoder = getattr(model, "get_decoder", lambda: None)()
-        head = getattr(model, "get_output_embeddings", lambda: None)()
-        return (decoder, head) if decoder is not None and head is not None else (None, None)
+        return decoder_and_head(model) or (None, None)
 
     def _scored_logprobs(self, ids: Tensor, attn: Tensor, amask: Tensor, temperature: float, decoder: nn.Module, head: nn.Module) -> Tensor:
         """No-grad log-probs of the action tokens, row-major ``[n]``: shared prefixes run once, and the

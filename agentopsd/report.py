@@ -26,12 +26,11 @@ import yaml  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from agentopsd.credit_quality import pairwise_accuracy  # noqa: E402
+from agentopsd.credit import PRIOR_CLIP, applied_multiplier  # noqa: E402
+from agentopsd.envs.base import has_state_snapshot  # noqa: E402
+from agentopsd.study.credit_quality import pairwise_accuracy  # noqa: E402
 
-PRIOR_CLIP = 1e-4  # the success prior's clip: an all-won group starts at B_0 = 1 - 1e-4
 REPO = Path(__file__).resolve().parents[1]
-REPLAYABLE_PREFIX = "agentopsd/BabyAI-"
-"""Env ids whose logged trajectories replay from their task index and have an expert to label the turns."""
 LABEL_COLOURS = {"progress": "tab:green", "wasted": "tab:orange", "fatal": "tab:red", "lost": "tab:grey"}
 
 
@@ -225,7 +224,7 @@ def pick_credit_examples(records: list[dict]) -> list[dict]:
 
 @dataclass(frozen=True)
 class ExpertTruth:
-    """The BabyAI expert's verdict on every turn of one logged trajectory, or why there is none."""
+    """The env's expert's verdict on every turn of one logged trajectory, or why there is none."""
 
     path: tuple[int, ...]
     """d(s_0) .. d(s_K) [K+1]: the bot's remaining path before each turn and after the last; -1: no way to win."""
@@ -239,11 +238,6 @@ class ExpertTruth:
     @classmethod
     def unavailable(cls, reason: str) -> ExpertTruth:
         return cls(path=(), labels=(), gains=(), missing=reason)
-
-
-def _register_envs() -> None:
-    """Register the agentopsd/* env ids."""
-    import agentopsd.envs  # noqa: F401
 
 
 def expert_truths(records: list[dict], env_config: dict) -> list[ExpertTruth]:
@@ -264,16 +258,20 @@ def expert_truths(records: list[dict], env_config: dict) -> list[ExpertTruth]:
 
 def _expert_truth(record: dict, env_config: dict, made: dict) -> ExpertTruth:
     env_id = str(record.get("env", "?"))
-    if not env_id.startswith(REPLAYABLE_PREFIX):
-        return ExpertTruth.unavailable(f"{env_id} has none (only BabyAI envs replay from a task index and have an "
-                                       "expert to ask)")
+    try:
+        replayable = has_state_snapshot(env_id)
+    except Exception as err:  # noqa: BLE001  (an id this install does not register)
+        return ExpertTruth.unavailable(f"{env_id} is not a registered env ({type(err).__name__})")
+    if not replayable:
+        return ExpertTruth.unavailable(f"{env_id} has none (only envs with a cheap state snapshot and an expert replay "
+                                       "from a task index: TextEnv.state_snapshot)")
     if env_config.get("max_turns") is None:
         return ExpertTruth.unavailable("the run's config has no env.max_turns to replay the trajectory with")
     if not all("observation" in t for t in record["turns"]):
         return ExpertTruth.unavailable("the log holds no observations to check a replay against")
     max_turns = int(env_config["max_turns"])
     try:
-        from agentopsd.groundtruth import (
+        from agentopsd.study.groundtruth import (
             LoggedTrajectory,
             expert_gain,
             expert_label,
@@ -283,7 +281,6 @@ def _expert_truth(record: dict, env_config: dict, made: dict) -> ExpertTruth:
         )
 
         if env_id not in made:
-            _register_envs()
             # the bot's path at reset is not needed here: expert_path measures every state itself
             made[env_id] = make_env(env_id, max_turns, {**(env_config.get("kwargs") or {}), "compute_expert_steps": False})
         traj = LoggedTrajectory.from_record(record, run="report", algorithm="")
@@ -316,7 +313,7 @@ def truth_caption(record: dict, truth: ExpertTruth) -> str:
     score = (f"here the credit sign(A_seq)·w_k orders {scored[0]:.2f} of the {scored[1]} turn pairs that differ in expert "
              "gain as the expert does (pairwise accuracy, 0.5 = chance)" if scored is not None
              else "here no two turns differ in expert gain, so the credit's ordering cannot be scored")
-    return ("Ground truth, the BabyAI expert's remaining path before -> after each turn: a good credit method gives the "
+    return ("Ground truth, the env expert's remaining path before -> after each turn: a good credit method gives the "
             f"largest |credit| to the turns that shortened it in a won game and to the fatal turn in a lost one; {score}.")
 
 
@@ -359,7 +356,7 @@ def plot_credit(record: dict, path: Path, info: RunInfo, lam: float | None, trut
     w = [t["multiplier"] for t in turns]
     middle.plot(k, w, "b^", label="w_k (bounded multiplier)")
     if lam is not None:
-        middle.bar(k, [(1 - lam) + lam * x for x in w], color="tab:purple", alpha=0.4, label=f"applied: (1 - lam) + lam·w_k, lam = {lam:g}")
+        middle.bar(k, [applied_multiplier(x, lam) for x in w], color="tab:purple", alpha=0.4, label=f"applied: (1 - lam) + lam·w_k, lam = {lam:g}")
         low = min(min(w), 1.0) - 0.05
         middle.set_ylim(low, max(max(w), 1.0) + 0.05)
     middle.axhline(1, color="grey", lw=0.5)
@@ -409,7 +406,7 @@ def _plot_truth(ax, truth: ExpertTruth) -> None:
 
 
 def _credit_table(record: dict, lam: float | None, truth: ExpertTruth) -> str:
-    applied = (lambda w: f"{(1 - lam) + lam * w:.3f}") if lam is not None else (lambda w: "")
+    applied = (lambda w: f"{applied_multiplier(w, lam):.3f}") if lam is not None else (lambda w: "")
 
     def expert(k: int) -> str:
         if truth.missing:
@@ -498,7 +495,7 @@ Iterations are counted as completed iterations everywhere (0 = before training).
 <table><tr><th>expert turns</th><th>episodes</th>{'<th>before RL</th>' if has_before else ''}<th>after</th></tr>{horizon_rows}</table>
 <h2>Credit per turn</h2><p>Per turn: the success belief B_k after the turn, its revision dB_k (the evidence the skill-aware
 teacher view gave), the bounded multiplier w_k and the multiplier applied to the GRPO advantage, (1 - lam) + lam·w_k;
-beside them the ground truth where the env has one (BabyAI): the expert's remaining path before and after the turn and its
+beside them the ground truth where the env has one (a cheap state snapshot and an expert, e.g. BabyAI): the expert's remaining path before and after the turn and its
 label (progress: the path shrank; wasted: it did not; fatal: the game could no longer be won; lost: it already could not).</p>
 {''.join(sections) or '<p>No rollout shard with credit values (GRPO runs have none).</p>'}
 <h2>Credit statistics</h2>{stats_html}

@@ -236,3 +236,11 @@ def hidden_at(
         weight = next(decoder.parameters())
         return torch.zeros(0, decoder.config.hidden_size, dtype=weight.dtype, device=device)
     return result
+
+
+def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """The decoder and LM head to call apart (the head then runs only where it is needed: the trainer's scoring,
+    the HF generator's decode steps), or None where the model offers no such split."""
+    decoder = getattr(model, "get_decoder", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    return (decoder, head) if decoder is not None and head is not None else None

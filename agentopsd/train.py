@@ -87,18 +87,7 @@ def main(cfg: DictConfig) -> dict[str, float]:
     from agentopsd.data import TaskDataModule
     from agentopsd.module import AgentRLModule
 
-    module = AgentRLModule(
-        model,
-        tokenizer,
-        algorithm=instantiate(cfg.algorithm),
-        env=instantiate(cfg.env),
-        rollout=instantiate(cfg.rollout),
-        optim=instantiate(cfg.optim),
-        evaluation=instantiate(cfg.evaluation),
-        num_iterations=cfg.num_iterations,
-        seed=cfg.seed,
-        model_path=cfg.model.get("path"),
-    )
+    module = AgentRLModule.from_config(cfg, model, tokenizer, model_path=cfg.model.get("path"))
     datamodule = TaskDataModule(cfg.env.id, cfg.data.tasks_per_batch, cfg.data.group_size, cfg.num_iterations, seed=cfg.seed)
 
     from agentopsd.callbacks import default_callbacks

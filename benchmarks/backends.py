@@ -26,26 +26,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-# Before vllm is imported: a small KV cache (the default takes GiBs), no usage reporting.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# no core pinning: pinned to one core, the engine slowed down whenever another job ran there, while
-# the transformers side moved to the idler core; OMP_NUM_THREADS then sets its threads, as for torch
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+
+# no core pinning: pinned to one core, the engine slowed down whenever another job ran there, while
+# the transformers side moved to the idler core; OMP_NUM_THREADS then sets its threads, as for torch
+set_vllm_defaults(VLLM_CPU_OMP_THREADS_BIND="nobind")
 
 ENV_ID = "agentopsd/BabyAI-PickupObj-v0"
 QUICKSTART_MODEL = {"vocab_size": 768, "hidden_size": 128, "num_layers": 2, "num_heads": 4, "intermediate_size": 512}

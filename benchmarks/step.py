@@ -94,12 +94,12 @@ def iteration_seconds(modules: list[AgentRLModule], trajectories, repeats: int =
 @contextlib.contextmanager
 def whole_model_forward():
     """The generator's decode path before the split: the whole causal LM, building its mask each step."""
-    saved = hf._decoder_and_head, hf._takes_prepared_mask
-    hf._decoder_and_head, hf._takes_prepared_mask = (lambda model: None), (lambda model: False)
+    saved = hf.decoder_and_head, hf._takes_prepared_mask
+    hf.decoder_and_head, hf._takes_prepared_mask = (lambda model: None), (lambda model: False)
     try:
         yield
     finally:
-        hf._decoder_and_head, hf._takes_prepared_mask = saved
+        hf.decoder_and_head, hf._takes_prepared_mask = saved
 
 
 def timed_rollout(collector: Collector, tasks, sampling: SamplingConfig, *, one_at_a_time: bool = False,

@@ -39,14 +39,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+
+set_vllm_defaults()
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -32,15 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* env ids)
-from agentopsd.credit_quality import (  # noqa: E402
+from agentopsd.study.credit_quality import (  # noqa: E402
     cluster_bootstrap_mean,
     credit_quality,
     pair_classes,
     paired_accuracy_difference,
     pairwise_accuracy,
 )
-from agentopsd.credit_rules import RULES, LoggedGroup, rule_orderings  # noqa: E402
-from agentopsd.groundtruth import (  # noqa: E402
+from agentopsd.study.credit_rules import RULES, LoggedGroup, rule_orderings  # noqa: E402
+from agentopsd.study.groundtruth import (  # noqa: E402
     FORMAT_ERROR_PREFIX,
     LoggedTrajectory,
     LoggedTurn,
@@ -520,7 +520,7 @@ def main() -> None:
         lines += ["", "## Every credit rule on the same rollouts", "",
                   f"The runs that log the evidence e_k ({', '.join(f'{name}: {n} trajectories' for name, n, _ in rule_runs)}): "
                   "on each whole logged task group, every turn-level rule recomputed from the logged evidence, outcomes and "
-                  "A_seq (`agentopsd.credit_rules`): the paper's method, its ablations without the prior, without the "
+                  "A_seq (`agentopsd.study.credit_rules`): the paper's method, its ablations without the prior, without the "
                   "accumulator (`raw_gap`) and without the outcome sign (`magnitude`), StepOPSD (each turn's own mean gap; "
                   "tokens counted from the logged token gaps, or re-counted from the logged action where a run predates "
                   "them) and GiGPO (anchor states from the replayed observations); where the shards hold each token's gap, "

@@ -37,7 +37,6 @@ import csv
 import hashlib
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -51,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quickstart_seeds import export_code, head_commit, log_rows, parse_seeds  # noqa: E402
+
+from agentopsd.study.credit_quality import bootstrap  # noqa: E402
 
 # rung -> turn limit: the expert's longest path on the 256 evaluation tasks plus room for the habits' wasted turns
 LEVELS = {"KeyDoorBoxS5": 32, "KeyDoorBoxS7": 44, "KeyDoorBoxS9": 60}
@@ -267,17 +268,6 @@ def run_row(out: Path, level: str, method: str, seed: int, iterations: int) -> d
 
 
 # ------------------------------------------------------------------ statistics
-
-
-def bootstrap(stat, samples: list, draws: int = 5000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
-    """``stat`` of ``samples`` and its percentile bootstrap interval (resampling the samples: seeds)."""
-    point = stat(samples)
-    rng = random.Random(seed)
-    vals = sorted(v for v in (stat(rng.choices(samples, k=len(samples))) for _ in range(draws)) if v == v)
-    if len(samples) < 2 or not vals:
-        return point, float("nan"), float("nan")
-    tail = (1 - level) / 2
-    return point, vals[int(tail * len(vals))], vals[min(len(vals) - 1, int((1 - tail) * len(vals)))]
 
 
 # Student t 0.975 quantiles for 1-30 degrees of freedom (beyond, the Cornish-Fisher expansion below is within 1e-4)

@@ -22,7 +22,6 @@ import argparse
 import csv
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -32,6 +31,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from agentopsd.study.credit_quality import bootstrap
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = 0.8  # the success the issue asks of (nearly) every seed
@@ -186,10 +187,8 @@ def bootstrap_interval(values: list[float], level: float = 0.95, draws: int = 10
     """Percentile bootstrap of the mean: the interval stays inside the values' own range (never past 0 or 100%)."""
     if len(values) < 2:
         return (values[0], values[0]) if values else (float("nan"), float("nan"))
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(draws))
-    tail = (1 - level) / 2
-    return means[int(tail * draws)], means[min(draws - 1, int((1 - tail) * draws))]
+    _, low, high = bootstrap(statistics.fmean, values, draws=draws, seed=seed, level=level)
+    return low, high
 
 
 def _pct(x: float) -> str:

@@ -32,19 +32,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# Before vllm is imported: a small KV cache (the default takes GiBs) and no usage reporting.
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Before torch is imported: this process's torch work (scoring, training) shares the cores with the
-# engine's worker process. libgomp's default spin-waiting made both 10-40x slower on 2 busy cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+
+set_vllm_defaults()
 
 ENV_ID = "agentopsd/BabyAI-GoToLocal-v0"
 VALID_REASONS = {"stop", "eos", "length"}

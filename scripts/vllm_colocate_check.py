@@ -32,17 +32,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 ROOT = Path(__file__).resolve().parents[1]
 for path in (ROOT, ROOT / "scripts"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+
+set_vllm_defaults()
 
 
 def run(args: argparse.Namespace, out: dict[str, Any]) -> None:

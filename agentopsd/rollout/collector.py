@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import gymnasium as gym
@@ -22,6 +22,29 @@ log = logging.getLogger(__name__)
 
 REWARDS = ("success", "score")
 """The outcome reward R behind A_seq: the success bit (the paper's) or the environment's graded score."""
+FORMAT_ERROR_PREFIX = "Your output did not follow the format."
+"""How the observation after a format-error turn begins: such a turn does not step the env."""
+
+
+def format_error_note(prompts: PromptBuilder) -> str:
+    """The observation the policy sees after a format error: the prefix and the prompt's format reminder."""
+    return f"{FORMAT_ERROR_PREFIX} {prompts.user_message('', [], '', None).splitlines()[-1]}"
+
+
+def history_entry(shown: str, action: str | None, text: str) -> HistoryEntry:
+    """What the prompt's history keeps of a turn: the observation it acted on, and its action (the raw text, cut at
+    200 characters, when it had none)."""
+    return HistoryEntry(observation=shown, action=action or text.strip()[:200])
+
+
+def apply_step(episode, info: Mapping, terminated: bool, truncated: bool) -> None:
+    """What an env step changes in an episode's record (the collector's ``_Episode``, the study's replay ``State``):
+    the admissible actions (when the env sends them), ``won``, ``terminated`` and ``done``."""
+    if info.get("admissible_actions") is not None:
+        episode.admissible = info["admissible_actions"]
+    episode.won = bool(info.get("won", False))
+    episode.terminated = bool(terminated)
+    episode.done = bool(terminated or truncated)
 
 
 @dataclass
@@ -42,6 +65,7 @@ class _Episode:
     history: list[HistoryEntry] = field(default_factory=list)
     turns: list[Turn] = field(default_factory=list)
     done: bool = False
+    terminated: bool = False
     won: bool = False
     score: float = 0.0
     fault: str | None = None
@@ -212,7 +236,7 @@ class Collector:
         reward, penalty, valid = 0.0, 0.0, False
         if action is None:
             self.stats.format_errors += 1
-            observation = f"Your output did not follow the format. {self.prompts.user_message('', [], '', None).splitlines()[-1]}"
+            observation = format_error_note(self.prompts)
             penalty = self.invalid_penalty
         elif res.error is not None:
             ep.done, ep.fault = True, f"step: {res.error}"
@@ -224,10 +248,8 @@ class Collector:
                 penalty = self.invalid_penalty
             reward = float(res.reward)
             observation = res.observation
-            ep.admissible = res.info.get("admissible_actions", ep.admissible)
-            ep.won = bool(res.info.get("won", False))
+            apply_step(ep, res.info, res.terminated, res.truncated)
             ep.score = float(res.info.get("score", float(ep.won)))
-            ep.done = bool(res.terminated or res.truncated)
         ep.turns.append(
             Turn(
                 index=len(ep.turns),
@@ -244,7 +266,7 @@ class Collector:
                 state=ep.env_state,  # a format error does not change the environment's state
             )
         )
-        ep.history.append(HistoryEntry(observation=ep.observation, action=action or gen.text.strip()[:200]))
+        ep.history.append(history_entry(ep.observation, action, gen.text))
         if observation:
             ep.observation = observation
         if action is not None and res.error is None:

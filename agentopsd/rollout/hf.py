@@ -24,7 +24,13 @@ from torch import nn
 
 from agentopsd import distributed
 from agentopsd.rollout.base import Generation, SamplingConfig
-from agentopsd.scoring import MIN_SHARED_PREFIX, cache_kwarg, pack_by_length, shared_prefixes
+from agentopsd.scoring import (
+    MIN_SHARED_PREFIX,
+    cache_kwarg,
+    decoder_and_head,
+    pack_by_length,
+    shared_prefixes,
+)
 
 _REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
 
@@ -491,13 +497,6 @@ def _forward_kwarg_names(model: nn.Module) -> tuple[str, str | None]:
     return cache_kwarg(base), keep_kw
 
 
-def _decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """The decoder and LM head to call apart, or None where the model offers no such split."""
-    decoder = getattr(model, "get_decoder", lambda: None)()
-    head = getattr(model, "get_output_embeddings", lambda: None)()
-    return (decoder, head) if decoder is not None and head is not None else None
-
-
 def _last_logits_fn(model: nn.Module, whole: bool = False):
     """``f(ids, attention_mask, position_ids, cache) -> [B, V]`` float32 logits of each row's last position.
 
@@ -508,7 +507,7 @@ def _last_logits_fn(model: nn.Module, whole: bool = False):
     ``whole`` (or a model without the split) calls the whole model: a sharded root gathers its own
     parameters (embeddings, head) only when called itself.
     """
-    parts = None if whole else _decoder_and_head(model)
+    parts = None if whole else decoder_and_head(model)
     if parts is None:
         cache_kw, keep_kw = _forward_kwarg_names(model)
 

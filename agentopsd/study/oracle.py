@@ -10,7 +10,7 @@ Everything of :class:`~agentopsd.algorithms.AgentOPSD` is kept (prior, accumulat
 
     e*_k = s * g_k,   g_k = d(s_k) - d(s_{k+1})   (the expert's path saved by the turn, the ladder's label)
 
-with ``d`` the environment expert's remaining path (:func:`agentopsd.groundtruth.expert_remaining`) on
+with ``d`` the environment expert's remaining path (:func:`agentopsd.study.groundtruth.expert_remaining`) on
 a replay of the logged trajectory from its task index. A fatal turn (winnable before, not after) gets
 ``g_k = -fatal_gain``, by default the turns that were left in the episode's budget before it (the
 whole rest of the episode is lost); a turn taken when the task was already lost gets 0. ``s`` makes
@@ -42,7 +42,7 @@ from torch import Tensor
 
 from agentopsd.algorithms import AgentOPSD, _get, _opt, _set, _write_turns, turn_view
 from agentopsd.credit import mix_advantages
-from agentopsd.groundtruth import (
+from agentopsd.study.groundtruth import (
     LoggedTrajectory,
     LoggedTurn,
     advance,
@@ -83,7 +83,7 @@ def expert_turn_gains(traj: Trajectory | LoggedTrajectory, env: gym.Env, max_tur
 
 
 def replayed_path(env: gym.Env, record: LoggedTrajectory, max_turns: int) -> list[int]:
-    """d(s_0) .. d(s_K) along a replay of ``record``: :func:`agentopsd.groundtruth.replay` then ``expert_path``, with
+    """d(s_0) .. d(s_K) along a replay of ``record``: :func:`agentopsd.study.groundtruth.replay` then ``expert_path``, with
     the same checks (every observation against the log, the outcome), but one env stepped in place (each
     ``expert_remaining`` runs on its own copy): half the deep copies, which are most of the time."""
     state = start(env, record.task_index)

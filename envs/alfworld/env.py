@@ -213,6 +213,10 @@ class ALFWorldEnv(gym.Env[str, str]):
             "gamefile": str(self._loaded),
         }
 
+    state_snapshot = False
+    """``copy.deepcopy`` is exact but replays the episode's commands on a fresh engine (slow): the study scripts
+    use it, the run report's ground-truth panel does not (see ``agentopsd.envs.base.TextEnv``)."""
+
     def __deepcopy__(self, memo: dict[int, Any]) -> ALFWorldEnv:
         """A snapshot of this episode (what ``copy.deepcopy`` and the ground-truth replays use).
 

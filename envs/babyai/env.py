@@ -92,6 +92,8 @@ class BabyAIEnv(gym.Env[str, str]):
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    state_snapshot = True
+    """``copy.deepcopy`` is an exact, cheap snapshot (grid, bot memory, counters): the report's ground truth replays it."""
 
     def __init__(self, level: str = "GoToLocal", split: str = "train", max_steps: int | None = None,
                  render_mode: str | None = None, compute_expert_steps: bool | None = None) -> None:
@@ -199,6 +201,15 @@ class BabyAIEnv(gym.Env[str, str]):
         if self._ended:
             return ACTIONS[DONE]
         return ACTIONS[self._expert.action()]
+
+    def lift_step_limit(self, extra_steps: int) -> None:
+        """Reopen an episode the step limit closed and allow ``extra_steps`` more steps (the expert label runs the
+        bot on a copy past the episode's budget). An episode the mission itself ended stays ended."""
+        if self._terminated:
+            return
+        self._ended = False
+        self.max_steps = self._steps + extra_steps
+        self._grid.max_steps = self._grid.step_count + extra_steps
 
     def render(self) -> str | None:
         return self._obs if self.render_mode == "ansi" else None

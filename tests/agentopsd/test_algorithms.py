@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,8 +86,32 @@ def evidence_and_mask(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
     return gaps, mask
 
 
-ALL = [Algorithm(), AgentOPSD(), *[AgentOPSD(mode=m) for m in MODES[1:]], AgentOPSD(token_level=True), RLSD(), StepOPSD(), GiGPO(),
-       GiGPO(norm="mean"), SDAR(), SkillSD(), GRPOOPSD()]
+CONF_ALGORITHMS = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
+
+
+def _configured() -> list[Algorithm]:
+    """One algorithm per file of conf/algorithm/ (what a run can choose), built as Hydra builds it."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    return [instantiate(OmegaConf.load(path)) for path in sorted(CONF_ALGORITHMS.glob("*.yaml"))]
+
+
+CONFIGURED = _configured()
+VARIANTS = [GiGPO(norm="mean")]
+"""Settings no yaml file chooses but the tests cover (a knob that changes the code path)."""
+ALL = [cls() for cls in algorithms.ALGORITHMS.values()] + CONFIGURED + VARIANTS
+"""Every registered algorithm at its defaults, every configured one, and the extra variants: what the
+layout-independence and penalty tests iterate over. A new algorithm joins by being registered."""
+
+
+def test_every_registered_algorithm_has_a_yaml_and_every_yaml_a_registered_class():
+    configured = {type(a) for a in CONFIGURED}
+    assert configured == set(algorithms.ALGORITHMS.values()), "register the class (@register) and give it a conf/algorithm/ file"
+    for algo in CONFIGURED:
+        assert algorithms.ALGORITHMS[type(algo).name] is type(algo)
+    modes = {a.mode for a in CONFIGURED if isinstance(a, AgentOPSD) and not a.token_level}
+    assert modes == set(MODES), "every AgentOPSD mode (the ablations) has its own yaml"
 
 # ---------------------------------------------------------------- hand cases (one-token and two-token turns)
 

@@ -533,14 +533,14 @@ def test_decoder_and_head_apart_with_prepared_masks_change_no_bit(tok, monkeypat
     if case == "eos":
         model.generation_config.eos_token_id = [tok.eos_token_id, 17, 246, 231]
     prompts, sampling = _pinned_cases(tok)[case]
-    assert hf_module._takes_prepared_mask(model) and hf_module._decoder_and_head(model) is not None  # the fast path runs
+    assert hf_module._takes_prepared_mask(model) and hf_module.decoder_and_head(model) is not None  # the fast path runs
     decode_masks = []
     real_decode_mask = hf_module._decode_mask
     monkeypatch.setattr(hf_module, "_decode_mask", lambda *a: decode_masks.append(real_decode_mask(*a)) or decode_masks[-1])
     fast = HFGenerator(model, tok).generate(prompts, sampling)
     assert decode_masks and all(m["full_attention"] is None for m in decode_masks) == (case == "alone")
     monkeypatch.setattr(hf_module, "_takes_prepared_mask", lambda model: False)
-    monkeypatch.setattr(hf_module, "_decoder_and_head", lambda model: None)
+    monkeypatch.setattr(hf_module, "decoder_and_head", lambda model: None)
     whole = HFGenerator(model, tok).generate(prompts, sampling)
     assert [(g.token_ids, g.logprobs, g.finish_reason) for g in fast] == [(g.token_ids, g.logprobs, g.finish_reason) for g in whole]
 

@@ -111,10 +111,9 @@ LOST_MOVES = ["go forward", "turn left", "toggle", "go forward"]  # task 6, the 
 
 def _played(env_id: str, task_index: int, moves: list[str], multipliers: list[float], seq_advantage: float, max_turns: int = 12) -> dict:
     """A rollout-shard record (the fields ``trajectory_records`` writes) of a scripted episode, observations as the env gave them."""
-    from agentopsd.groundtruth import advance, make_env, start
-    from agentopsd.report import _register_envs
+    import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
+    from agentopsd.study.groundtruth import advance, make_env, start
 
-    _register_envs()  # wherever the env package lives
     state = start(make_env(env_id, max_turns), task_index)
     turns = []
     for k, (move, w) in enumerate(zip(moves, multipliers)):
@@ -145,8 +144,8 @@ def _run_folder(root, records: list[dict]):
 
 
 def test_a_replayed_record_gets_the_expert_labels_known_for_its_moves() -> None:
-    from agentopsd.groundtruth import FATAL_GAIN
     from agentopsd.report import credit_accuracy, expert_truths
+    from agentopsd.study.groundtruth import FATAL_GAIN
 
     won, lost = _won_and_lost()
     t_won, t_lost = expert_truths([won, lost], {"id": PICKUP, "max_turns": 12})
@@ -190,7 +189,7 @@ def test_without_a_replayable_env_the_report_says_the_ground_truth_is_not_availa
                 "skill": "", "seq_advantage": 0.5, "turns": walk}]
     run = _run_folder(tmp_path, records)
     page = write_report(run, config={"seed": 0, "env": {"id": TOY_ID, "max_turns": 10}}).read_text()
-    assert f"Ground truth not available: {TOY_ID} has none (only BabyAI envs" in page
+    assert f"Ground truth not available: {TOY_ID} has none (only envs with a cheap state snapshot" in page
     assert "<td>n/a</td><td>n/a</td></tr>" in page and "Which turn won the game?" in page
     assert (run / "report" / "credit_0.png").read_bytes()[:4] == b"\x89PNG"
     # a BabyAI log the replay cannot reproduce (another level, or an edited log) falls back the same way

@@ -62,7 +62,7 @@ def test_evidence_by_action_averages_each_stage_and_leaves_routine_turns_out(cq)
 
 
 def test_format_errors_and_invalid_actions_are_named_as_such_not_by_their_raw_text(cq) -> None:
-    from agentopsd.groundtruth import FORMAT_ERROR_PREFIX, LoggedTurn
+    from agentopsd.study.groundtruth import FORMAT_ERROR_PREFIX, LoggedTurn
 
     stepped = LoggedTurn(k=0, action="toggle", observation="You see: a wall.", valid=True, signals={})
     broken = LoggedTurn(k=1, action="pickSturn left", observation=FORMAT_ERROR_PREFIX + " Reply with ...", valid=False,

@@ -11,7 +11,7 @@ import torch
 import agentopsd.envs  # noqa: F401  (registers the ids)
 from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.credit import grpo_advantages
-from agentopsd.groundtruth import advance, start
+from agentopsd.study.groundtruth import advance, start
 from agentopsd.study.oracle import OracleOPSD, expert_turn_gains, matched_scale, oracle_env
 from agentopsd.types import TaskSpec, Trajectory, Turn
 

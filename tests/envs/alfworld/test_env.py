@@ -115,7 +115,7 @@ def test_a_snapshot_continues_exactly(cache: Path, index: int) -> None:
     same seeded commands gives the same observations, and stepping the copy leaves the original alone."""
     import numpy as np
 
-    from agentopsd.groundtruth import advance, mc_value, start
+    from agentopsd.study.groundtruth import advance, mc_value, start
 
     env = gym.make(ENV_ID, split="eval", source="generated", cache_dir=cache, disable_env_checker=True)
     state = start(env, index)
@@ -138,7 +138,7 @@ def test_a_snapshot_continues_exactly(cache: Path, index: int) -> None:
 def test_the_expert_label_is_the_stored_plans_length(eval_env: ALFWorldEnv, cache: Path) -> None:
     """The expert's remaining path from the first state is the plan length stored with the scene; one
     expert step shortens it by one; the label never touches the state it measures."""
-    from agentopsd.groundtruth import advance, expert_remaining, start
+    from agentopsd.study.groundtruth import advance, expert_remaining, start
 
     _, info = eval_env.reset(options={"task_index": 2})
     env = gym.make(ENV_ID, split="eval", source="generated", cache_dir=cache, disable_env_checker=True)
@@ -155,7 +155,7 @@ def test_credit_quality_command_on_a_logged_alfworld_run(cache: Path, tmp_path: 
     import yaml
 
     from agentopsd.callbacks.rollout_logging import write_shard
-    from agentopsd.groundtruth import advance, start
+    from agentopsd.study.groundtruth import advance, start
 
     records = []
     for index in (0, 1):

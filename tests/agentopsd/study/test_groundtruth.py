@@ -7,7 +7,9 @@ import pytest
 
 import agentopsd.envs  # noqa: F401  (registers the ids)
 from agentopsd.envs.babyai.env import ACTIONS
-from agentopsd.groundtruth import (
+from agentopsd.prompts import PromptBuilder
+from agentopsd.rollout.base import SamplingConfig
+from agentopsd.study.groundtruth import (
     FATAL_GAIN,
     LoggedTrajectory,
     State,
@@ -25,8 +27,6 @@ from agentopsd.groundtruth import (
     replay,
     start,
 )
-from agentopsd.prompts import PromptBuilder
-from agentopsd.rollout.base import SamplingConfig
 
 PICKUP = "agentopsd/BabyAI-PickupObj-v0"
 UNLOCK = "agentopsd/BabyAI-UnlockPickup-v0"
@@ -233,7 +233,7 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
                for i in range(4)]
     write_shard(run / "rollouts" / "rollouts-000001.tar", records)
     out = tmp_path / "table"
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run([sys.executable, "scripts/credit_quality.py", str(run), "--resamples", "50", "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

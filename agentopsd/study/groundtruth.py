@@ -1,4 +1,4 @@
-"""Ground truth for turn credit on environments that can be snapshot and restored (BabyAI).
+"""Ground truth for turn credit on environments that can be snapshot and restored (BabyAI, ALFWorld).
 
 Two labels per turn k of a logged trajectory, both measured on copies of the environment state
 before the turn (s_k) and after it (s_{k+1}):
@@ -30,9 +30,8 @@ import numpy as np
 
 from agentopsd.prompts import HistoryEntry, PromptBuilder, parse_action
 from agentopsd.rollout.base import Generator, SamplingConfig
+from agentopsd.rollout.collector import FORMAT_ERROR_PREFIX, apply_step, format_error_note, history_entry
 
-FORMAT_ERROR_PREFIX = "Your output did not follow the format."
-"""How the collector's observation of a format-error turn begins: such a turn did not step the env."""
 FATAL_GAIN = 100.0
 """expert_gain of a fatal turn: below any real path change (BabyAI levels are far shorter)."""
 SIGNALS = ("advantage", "evidence", "revision", "multiplier", "belief")
@@ -94,7 +93,7 @@ class State:
     """Turns played so far (the next turn's index)."""
     task: str
     observation: str
-    admissible: tuple[str, ...] | None
+    admissible: Sequence[str] | None
     """The env's admissible actions, as the collector passes them to the prompt."""
     history: list[HistoryEntry] = field(default_factory=list)
     done: bool = False
@@ -119,12 +118,12 @@ def start(env: gym.Env, task_index: int) -> State:
     """Reset ``env`` to train task ``task_index`` and wrap it as the state before turn 0."""
     obs, info = env.reset(options={"task_index": task_index})
     admissible = info.get("admissible_actions")
-    return State(env=env, turn=0, task=str(info.get("task", "")), observation=obs,
-                 admissible=tuple(admissible) if admissible is not None else None)
+    return State(env=env, turn=0, task=str(info.get("task", "")), observation=obs, admissible=admissible)
 
 
 def advance(state: State, action: str | None, text: str = "", format_note: str = FORMAT_ERROR_PREFIX) -> State:
-    """Play one turn on ``state`` in place, as the collector does, and return it.
+    """Play one turn on ``state`` in place, as the collector does (its ``apply_step`` and ``history_entry``), and
+    return it.
 
     ``action`` None is a format error: a turn passes, the env does not step, the policy sees ``format_note``.
     """
@@ -136,12 +135,8 @@ def advance(state: State, action: str | None, text: str = "", format_note: str =
     else:
         obs, _, terminated, truncated, info = state.env.step(action)
         state.observation = obs
-        state.won = bool(info.get("won", False))
-        if info.get("admissible_actions") is not None:
-            state.admissible = tuple(info["admissible_actions"])
-        state.terminated = bool(terminated)
-        state.done = bool(terminated or truncated)
-    state.history.append(HistoryEntry(observation=shown, action=action or text.strip()[:200]))
+        apply_step(state, info, terminated, truncated)
+    state.history.append(history_entry(shown, action, text))
     state.turn += 1
     return state
 
@@ -185,11 +180,10 @@ def expert_remaining(state: State, cap: int = 256) -> int:
         return -1
     env = copy.deepcopy(state.env.unwrapped)
     if not hasattr(env, "expert_action"):
-        raise ValueError(f"{type(env).__name__} has no expert_action(): the expert label needs a BabyAI or ALFWorld env")
-    if hasattr(env, "_grid"):  # BabyAI keeps its own step limit inside the env
-        env._ended = False  # reopen an episode the turn limit closed; the copy's limits are lifted below
-        env.max_steps = env._steps + cap + 1
-        env._grid.max_steps = env._grid.step_count + cap + 1
+        raise ValueError(f"{type(env).__name__} has no expert_action(): the expert label needs an env with an expert")
+    lift = getattr(env, "lift_step_limit", None)  # an env that keeps its own step limit (BabyAI) reopens the copy
+    if lift is not None:
+        lift(cap + 1)
     for n in range(1, cap + 1):
         action = env.expert_action()
         if action == "done":  # the bot sees no way left (e.g. the target box was opened and vanished)
@@ -244,7 +238,7 @@ def generator_policy(generator: Generator, prompts: PromptBuilder, sampling: Sam
 
 def format_note(prompts: PromptBuilder) -> str:
     """The observation the collector shows after a format error (so continuations see training's prompts)."""
-    return f"{FORMAT_ERROR_PREFIX} {prompts.user_message('', [], '', None).splitlines()[-1]}"
+    return format_error_note(prompts)
 
 
 def mc_values(states: Sequence[State], policy: Policy, samples: int, max_turns: int,

@@ -7,8 +7,12 @@ import pytest
 import torch
 
 from agentopsd.credit import grpo_advantages, rlsd_token_advantages, turn_multipliers
-from agentopsd.credit_quality import cluster_bootstrap_mean, paired_accuracy_difference, pairwise_accuracy
-from agentopsd.credit_rules import RULES, TOKEN_RULES, LoggedGroup, rule_orderings
+from agentopsd.study.credit_quality import (
+    cluster_bootstrap_mean,
+    paired_accuracy_difference,
+    pairwise_accuracy,
+)
+from agentopsd.study.credit_rules import RULES, TOKEN_RULES, LoggedGroup, rule_orderings
 
 
 def _group(success, evidence, tokens=None, states=None, token_gaps=None) -> LoggedGroup:

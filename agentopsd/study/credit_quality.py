@@ -16,6 +16,7 @@ interval is a percentile bootstrap over trajectories. Pure numpy; no torch, no c
 
 from __future__ import annotations
 
+import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -132,6 +133,18 @@ class Estimate:
         if self.n == 0:
             return "n/a"
         return f"{self.mean:.{digits}f} [{self.low:.{digits}f}, {self.high:.{digits}f}]"
+
+
+def bootstrap(stat, samples: Sequence, draws: int = 5000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """``stat`` of ``samples`` and its percentile bootstrap interval (resampling the samples, e.g. seeds), the one
+    helper of the experiment scripts. (nan, nan) as the interval for fewer than 2 samples or no finite draw."""
+    point = stat(samples)
+    rng = random.Random(seed)
+    vals = sorted(v for v in (stat(rng.choices(samples, k=len(samples))) for _ in range(draws)) if v == v)
+    if len(samples) < 2 or not vals:
+        return point, float("nan"), float("nan")
+    tail = (1 - level) / 2
+    return point, vals[int(tail * len(vals))], vals[min(len(vals) - 1, int((1 - tail) * len(vals)))]
 
 
 def bootstrap_mean(values: Sequence[float], *, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agentopsd.credit_quality import (
+from agentopsd.study.credit_quality import (
     CHANCE,
     average_ranks,
     bootstrap_mean,
