@@ -21,7 +21,7 @@ Every algorithm ends the same way: each turn's shaping penalty is charged to tha
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,7 @@ from agentopsd.credit import (
     turn_multipliers,
     unpack_turns,
 )
-from agentopsd.losses import AGGREGATIONS, sdar_loss, skill_sd_loss
+from agentopsd.losses import AGGREGATIONS, distillation_loss, sdar_loss, skill_sd_loss
 
 FIELDS_READ = (
     "teacher_logprobs and student_logprobs with either action_mask, turn_traj, turn_index (one row per turn) "
@@ -170,6 +170,8 @@ class Algorithm:
 
     needs_teacher = False
     needs_teacher_logits = False
+    """The update keeps the student's full-vocabulary logits and runs a no-grad teacher-view forward per
+    micro-batch (dummy passes too: the count depends on the algorithm alone) for :meth:`logits_loss`."""
     distill_coef = 0.0
 
     def __post_init__(self) -> None:
@@ -215,6 +217,12 @@ class Algorithm:
         self, logprobs: Tensor, teacher_logprobs: Tensor | None, old_logprobs: Tensor, mask: Tensor, normalizer: float | None
     ) -> Tensor | None:
         """An extra loss on the sampled action tokens (SDAR, Skill-SD), already weighted; None when none."""
+        return None
+
+    def logits_loss(self, student_logits: Tensor | None, teacher_logits: Callable[[], Tensor], normalizer: float) -> Tensor | None:
+        """An extra loss on the full-vocabulary logits at the action tokens (grpo_opsd), already weighted; None
+        when none. ``student_logits`` ``[n, V]`` (with gradient) are kept only when ``needs_teacher_logits``;
+        ``teacher_logits()`` runs the teacher view's forward (no gradient) and gives the same ``[n, V]`` rows."""
         return None
 
 
@@ -439,6 +447,12 @@ class GRPOOPSD(Algorithm):
         super().__post_init__()
         if self.distill_coef < 0:
             raise ValueError(f"algorithm.distill_coef must be >= 0, got {self.distill_coef}")
+
+    def logits_loss(self, student_logits, teacher_logits, normalizer):
+        t_logits = teacher_logits()
+        ones = torch.ones(1, student_logits.shape[0], dtype=torch.bool, device=student_logits.device)
+        norm = normalizer if self.aggregation == "token-mean" else None
+        return self.distill_coef * distillation_loss(student_logits[None], t_logits[None], ones, normalizer=norm)
 
 
 @register

@@ -159,7 +159,7 @@ def load_policy(
     ``meta_on_other_ranks`` (FSDP2 only, ``trainer=fsdp``): only a node's local rank 0 reads the
     weights; the node's other processes build the model on the meta device (no host memory), and
     after sharding rank 0 broadcasts the weights into every rank's shards
-    (:func:`agentopsd.module.fill_from_rank0`): one copy of the weights per node in host memory, not one per process.
+    (:func:`agentopsd.strategies.fill_from_rank0`): one copy of the weights per node in host memory, not one per process.
     """
     kwargs = _dtype_kwargs(dtype)
     resolved = resolve_model_path(path)

@@ -27,144 +27,19 @@ from agentopsd import distributed
 from agentopsd.algorithms import Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.data import TaskBatch, collate_trajectories
-from agentopsd.distributed import (
-    is_distributed,
-    padded,
-    rank_and_world,
-    reduce_metrics,
-    shard_groups,
-    shard_items,
-)
+from agentopsd.distributed import is_distributed, rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
-from agentopsd.losses import (
-    aggregate,
-    clipped_policy_loss,
-    distillation_loss,
-    token_entropy,
-    token_logprobs,
-    truncated_is_weights,
-)
+from agentopsd.losses import aggregate, clipped_policy_loss, truncated_is_weights
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.scoring import (
-    SCORING_HEAD_POSITIONS,
-    SCORING_ROWS_TOKENS,
-    checkpointing,
-    decoder_and_head,
-    hidden_at,
-    sharing_order,
-    token_slices,
-)
+from agentopsd.scoring import Scorer, sharing_order
 from agentopsd.skills import SkillBank
+from agentopsd.strategies import prepare_policy
 from agentopsd.types import RolloutBatch, TaskSpec
 
 log = logging.getLogger(__name__)
-
-
-def fsdp_mixed_precision(precision: str):
-    """FSDP2's policy for ``bf16-mixed``: float32 master weights and gradient reduction, bf16 compute.
-
-    Lightning's ``bf16-mixed`` only autocasts ``training_step``; FSDP2 would then all-gather float32
-    shards and the rollout (outside ``training_step``) would run in float32. With this policy every
-    forward, rollouts included, computes in bf16 from bf16 all-gathers, while the optimizer updates
-    float32 weights: with ``bf16-true`` weights, an update below ~1/256 of a weight (Adam at lr 1e-6)
-    rounds away and the model never moves.
-    """
-    if precision != "bf16-mixed":
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-
-
-def needs_float32_master(precision: str) -> bool:
-    """Precisions whose optimizer must see float32 weights (all but the ``*-true`` half ones)."""
-    return precision not in ("bf16-true", "16-true", "bf16", "16", "half")
-
-
-def fill_from_rank0(model: nn.Module, full_state: dict[str, Tensor], device: str | torch.device) -> None:
-    """Give a ``fully_shard``-ed model rank 0's weights: every rank calls it; rank 0 passes its full
-    state dict (other ranks' entries are ignored), a rank whose model was built on the meta device
-    first allocates its shards (``to_empty``). The weights travel one tensor at a time
-    (``set_model_state_dict(..., broadcast_from_rank0=True)``); buffers outside the state dict
-    (rotary ``inv_freq``) are broadcast too, since ``to_empty`` leaves them uninitialised."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-        model.to_empty(device=device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    saved = set(model.state_dict())
-    for name, buf in model.named_buffers():
-        if name not in saved:
-            dist.broadcast(buf, src=0)
-
-
-def upcast_half_params(model: nn.Module) -> bool:
-    """Make a model with bf16/fp16 parameters float32 (``Module.float``, which FSDP2 supports after
-    ``fully_shard`` and before the first forward: each rank converts its shard); True if it did."""
-    if not any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
-        return False
-    model.float()
-    return True
-
-
-def whole_model_action_logits(model: nn.Module, ids: Tensor, attn: Tensor, source: Tensor) -> Tensor:
-    """Logits at the ``source`` positions ``[n, V]`` (row-major) from a call of the whole model.
-
-    A sharded model must be called whole (its root gathers embeddings and head only then), which
-    would run the LM head at every position: for 4 rows x 2,560 tokens of Qwen2.5-7B that is 6 GB of
-    logits and gradients where the action positions need 1.2 GB. transformers' ``logits_to_keep``
-    with a boolean mask runs the head at the marked positions only. Versions before it (those vLLM
-    pins) get the same from a pre-hook on the head that hands it the marked positions' hidden states
-    (running the head everywhere made a one-iteration CPU rehearsal take over 25 min).
-    """
-    form = _logits_to_keep_form(model)
-    if form == "mask":
-        return model(input_ids=ids, attention_mask=attn, logits_to_keep=source).logits
-    head = model.get_output_embeddings() if form == "hook" else None
-    if head is None:
-        return model(input_ids=ids, attention_mask=attn).logits[source]
-    handle = head.register_forward_pre_hook(lambda module, args: (args[0][source], *args[1:]))
-    try:
-        logits = model(input_ids=ids, attention_mask=attn).logits
-    finally:
-        handle.remove()
-    if logits.shape[:-1] != (int(source.sum()),):  # a model that reshapes its head's output
-        raise RuntimeError(f"{type(model).__name__}: the LM head's pre-hook gave logits {tuple(logits.shape)}; "
-                           "upgrade transformers (>=5.20: logits_to_keep takes a boolean mask)")
-    return logits
-
-
-def _logits_to_keep_form(model: nn.Module) -> str:
-    """How the head can be limited to the action positions: ``mask`` (``logits_to_keep`` takes a boolean [B, T]
-    mask), ``hook`` (a pre-hook on the output embeddings selects them) or ``none`` (the head runs everywhere)."""
-    import inspect
-
-    import transformers.modeling_utils as mu
-
-    if hasattr(mu, "slice_logits_to_keep") and "logits_to_keep" in inspect.signature(model.forward).parameters:
-        return "mask"  # the boolean-mask form arrived with slice_logits_to_keep
-    return "hook" if callable(getattr(model, "get_output_embeddings", None)) else "none"
-
-
-def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Positions of ``lengths`` grouped into micro-batches of at most ``budget`` padded tokens.
-
-    The rows are taken longest first (a stable sort: rows of equal length keep their given order, so
-    rows sharing a prompt stay side by side); a micro-batch takes rows while ``rows x its longest
-    row`` (what a right-padded forward holds) fits the budget. A row longer than the budget goes alone.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 _SUMMED = ("rollout/format_errors", "rollout/invalid_actions", "rollout/faults", "rollout/trajectories",
@@ -271,57 +146,14 @@ class AgentRLModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Float32 master weights where the precision asks for them, then FSDP2 under
-        ``ModelParallelStrategy`` (``trainer=fsdp``): shard each decoder layer, then the root."""
+        ``ModelParallelStrategy`` (``trainer=fsdp``): :func:`agentopsd.strategies.prepare_policy`."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None:
             return
-        precision = str(self.trainer.precision)
-        # Weights may load in bf16 (half the host memory), but under a mixed or float32 precision the
-        # optimizer must update float32 weights. Sharded, each rank converts only its own shard.
-        upcast = needs_float32_master(precision)
-        if self._sharded or not isinstance(self.trainer.strategy, ModelParallelStrategy):
-            if not self._sharded and any(p.is_meta for p in self.model.parameters()):
-                raise RuntimeError("the policy was built on the meta device (model.meta_on_other_ranks=true), which only "
-                                   "trainer=fsdp fills (rank 0 broadcasts the weights after sharding): set it false here")
-            if upcast and upcast_half_params(self.model):
-                log.info("trainer.precision=%s: half-precision weights upcast to float32 master weights", precision)
-            return
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = self.device_mesh["data_parallel"]
-        kwargs = {"mesh": mesh}
-        policy = fsdp_mixed_precision(str(self.trainer.precision))
-        if policy is not None:
-            kwargs["mp_policy"] = policy
-        # model.meta_on_other_ranks: a node's other processes built the policy on the meta device (no host
-        # memory); after sharding, rank 0 broadcasts its weights into every rank's shards, the reference's too
-        on_meta = any(p.is_meta for p in self.model.parameters())
-        from_rank0 = distributed.any_rank(on_meta, "model/meta-build")
-        full_state: dict[str, Tensor] = {}
-        if from_rank0:
-            if on_meta and rank_and_world()[0] == 0:
-                raise RuntimeError("global rank 0 built the policy on the meta device: it must hold the weights it broadcasts")
-            full_state = {} if on_meta else dict(self.model.state_dict())
-            if self.ref_model is not None:
-                self.ref_model.to("meta")  # its copy of the initial weights is refilled from rank 0's broadcast
-        layers = getattr(getattr(self.model, "model", None), "layers", None)
-        for layer in layers if layers is not None else []:
-            fully_shard(layer, **kwargs)
-        fully_shard(self.model, **kwargs)
-        if self.ref_model is not None:
-            # the KL reference is a whole second model: unsharded, every rank would hold all of it
-            for layer in getattr(getattr(self.ref_model, "model", None), "layers", None) or []:
-                fully_shard(layer, **kwargs)
-            fully_shard(self.ref_model, **kwargs)
-        if from_rank0:
-            for m in (self.model, self.ref_model):
-                if m is not None:
-                    fill_from_rank0(m, full_state, mesh.device_type)
-            del full_state
-        self._sharded = True
-        if upcast and upcast_half_params(self.model):
-            log.info("trainer.precision=%s: half-precision weight shards upcast to float32 master weights", precision)
+        fsdp = not self._sharded and isinstance(self.trainer.strategy, ModelParallelStrategy)
+        mesh = self.device_mesh["data_parallel"] if fsdp else None
+        self._sharded = prepare_policy(self.model, self.ref_model, str(self.trainer.precision), mesh, sharded=self._sharded)
 
     # ------------------------------------------------------------------ rollout
 
@@ -505,110 +337,18 @@ class AgentRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ scoring
 
-    @staticmethod
-    def _trimmed(ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The rows cut to their longest real length, and ``source``: the positions whose hidden
-        state predicts an action token (position j-1 predicts token j)."""
-        width = int(attn.sum(1).max())
-        ids, attn, amask = ids[:, :width], attn[:, :width], amask[:, :width]
-        source = torch.zeros_like(amask)
-        source[:, :-1] = amask[:, 1:]
-        return ids, attn, amask, source
-
-    def _action_logits(self, ids: Tensor, attn: Tensor, amask: Tensor, model: nn.Module | None = None) -> tuple[Tensor, Tensor]:
-        """Logits predicting each action token, flattened row-major ``[n, V]``, and those tokens ``[n]``.
-
-        Only the positions before action tokens go through the LM head: prompts are long and
-        actions short, and a 151k-vocabulary head over every prompt position is what eats memory.
-        """
-        ids, attn, amask, source = self._trimmed(ids, attn, amask)
-        model = self.model if model is None else model
-        decoder, head = self._decoder_and_head(model)
-        if decoder is not None:
-            # with gradient too, a prompt prefix shared by several rows (the G copies of a task) runs once:
-            # in a 64-row single-turn batch that is 3x fewer tokens through forward and backward
-            hidden = (decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source] if checkpointing(decoder)
-                      else hidden_at(decoder, ids, attn, source))
-            logits = head(hidden)
-        else:
-            logits = whole_model_action_logits(model, ids, attn, source)
-        return logits, ids[amask]
-
-    def _decoder_and_head(self, model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
-        """The decoder and LM head to call apart (the head then runs only where it is needed), or
-        ``(None, None)`` where the whole model must be called: a sharded root gathers its own
-        parameters (embeddings, head) only when called itself."""
-        if self._sharded:
-            return None, None
-        return decoder_and_head(model) or (None, None)
-
-    def _scored_logprobs(self, ids: Tensor, attn: Tensor, amask: Tensor, temperature: float, decoder: nn.Module, head: nn.Module) -> Tensor:
-        """No-grad log-probs of the action tokens, row-major ``[n]``: shared prefixes run once, and the
-        LM head runs over at most ``SCORING_HEAD_POSITIONS`` positions at a time (a 151k-vocabulary
-        head over thousands of action tokens at once would need gigabytes)."""
-        ids, attn, amask, source = self._trimmed(ids, attn, amask)
-        hidden = hidden_at(decoder, ids, attn, source)
-        targets = ids[amask]
-        return torch.cat([
-            token_logprobs(head(hidden[k : k + SCORING_HEAD_POSITIONS]) / temperature, targets[k : k + SCORING_HEAD_POSITIONS])
-            for k in range(0, max(len(targets), 1), SCORING_HEAD_POSITIONS)
-        ])
+    @property
+    def scorer(self) -> Scorer:
+        """The forwards at the action tokens under the current policy and settings (built per use: cheap)."""
+        cfg = self.optim_cfg
+        return Scorer(self.model, self.pad_id, self.sampling.scoring_temperature, cfg.micro_batch_size,
+                      cfg.max_tokens_per_micro_batch, self.device, sharded=self._sharded)
 
     def action_logprobs(
         self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False, model: nn.Module | None = None
     ) -> Tensor:
-        """log pi(a_k,t | view) at the student's action positions, ``[m, L]`` (0 elsewhere).
-
-        ``view`` is ``student`` (h_k) or ``teacher`` (h+_k, the skill-augmented context). The
-        teacher view always runs without gradient: the gap is a stop-gradient signal.
-        """
-        if view not in ("student", "teacher"):
-            raise ValueError(f"view must be 'student' or 'teacher', got {view!r}")
-        rows = torch.arange(batch.num_rows, device=batch.input_ids.device) if rows is None else rows
-        temperature = self.sampling.scoring_temperature
-        out = torch.zeros(batch.old_logprobs[rows].shape, device=batch.input_ids.device, dtype=torch.float32)
-        student_mask = batch.action_mask[rows]
-        if view == "student":
-            ids, attn, amask = batch.input_ids[rows], batch.attention_mask[rows], student_mask
-        else:
-            ids, attn, amask = batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows]
-        pieces = []
-        with_grad = grad and view == "student"
-        decoder, head = self._decoder_and_head(self.model if model is None else model)
-        if not with_grad and decoder is not None:
-            # Scoring only: rows per forward are set by tokens, not by optim.micro_batch_size (a
-            # memory knob of the gradient path, 4 rows in the 3B/7B setups): the more rows one call
-            # holds, the more of them share a prompt prefix that runs once.
-            with torch.no_grad():
-                for sl in token_slices(attn.sum(1).tolist(), SCORING_ROWS_TOKENS):
-                    pieces.append(self._scored_logprobs(ids[sl], attn[sl], amask[sl], temperature, decoder, head))
-            out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
-            return out
-        micros = self._micro_batches(torch.arange(ids.shape[0], device=ids.device), attn)
-        if self._sharded:  # every forward is a collective: ranks with fewer rows run dummy forwards
-            micros = padded(micros, f"scoring/{view}-forwards")
-        with torch.set_grad_enabled(with_grad):
-            for idx in micros:
-                if idx is None:
-                    self._action_logits(*self._placeholder_rows(), model)
-                    continue
-                logits, targets = self._action_logits(ids[idx], attn[idx], amask[idx], model)
-                # boolean indexing is row-major, so the two views' action tokens of a row line up one to one
-                block = out[idx]
-                block[student_mask[idx]] = token_logprobs(logits / temperature, targets)
-                out[idx] = block
-        return out
-
-    def _micro_batches(self, rows: Tensor, attn: Tensor) -> list[Tensor]:
-        """``rows`` (indices into ``attn``'s rows) cut into micro-batches: ``optim.micro_batch_size`` rows
-        each in their order, or by ``optim.max_tokens_per_micro_batch`` padded tokens with the rows
-        ordered by length (:func:`token_budget_groups`). The count is this rank's own: a sharded caller
-        agrees it over ranks (``padded``/``exchange``) and fills the missing passes with dummies."""
-        budget = self.optim_cfg.max_tokens_per_micro_batch
-        if budget <= 0:
-            return [m for m in rows.split(self.optim_cfg.micro_batch_size) if len(m)]
-        lengths = attn[rows].sum(1).tolist()
-        return [rows[torch.tensor(g, dtype=torch.long, device=rows.device)] for g in token_budget_groups(lengths, budget)]
+        """log pi(a_k,t | view) at the student's action positions, ``[m, L]`` (0 elsewhere): :meth:`Scorer.action_logprobs`."""
+        return self.scorer.action_logprobs(batch, view, rows, grad=grad, model=model)
 
     # ------------------------------------------------------------------ update
 
@@ -655,7 +395,7 @@ class AgentRLModule(L.LightningModule):
                 # rows sharing a prompt prefix side by side, so a micro-batch runs each shared prefix once
                 # (gradient accumulation: the split does not change the summed gradient)
                 # (a token budget then orders them by length, a stable sort that keeps equal lengths side by side)
-                micros = self._micro_batches(mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])], batch.attention_mask)
+                micros = self.scorer.micro_batches(mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])], batch.attention_mask)
                 local = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
                 # one agreement per mini-batch: its micro-batch count (a backward each: DDP all-reduces,
                 # FSDP gathers and reduce-scatters) and its token count over every rank
@@ -665,7 +405,7 @@ class AgentRLModule(L.LightningModule):
                 minibatch_loss = 0.0
                 for micro in micros:
                     if micro is None:  # a dummy pass through the same code, contributing nothing
-                        dummy, rows = self._placeholder_batch()
+                        dummy, rows = self.scorer.placeholder_batch(with_reference=algo.kl_coef > 0)
                         self.manual_backward(self._micro_loss(dummy, rows, normalizer, None)[0] * 0.0)
                         continue
                     loss, ratio_dev = self._micro_loss(batch, micro, normalizer, stats_log)
@@ -693,12 +433,13 @@ class AgentRLModule(L.LightningModule):
 
     def _micro_loss(self, batch: RolloutBatch, rows: Tensor, normalizer: float,
                     stats_log: dict[str, list[float]] | None) -> tuple[Tensor, float]:
-        """Every loss term of one micro-batch. Which forwards run depends on the algorithm alone (a
-        teacher forward for ``grpo_opsd``, one student forward otherwise), never on the rows: a dummy
+        """Every loss term of one micro-batch. Which forwards run depends on the algorithm alone (one
+        student forward, plus a teacher forward when ``needs_teacher_logits``), never on the rows: a dummy
         pass on a placeholder row issues exactly what a real one does (the rank invariant)."""
-        algo = self.algorithm
+        algo, scorer = self.algorithm, self.scorer
         mask = batch.action_mask[rows]
-        lp, entropy, s_logits = self._logprobs_and_entropy(batch, rows, keep_logits=algo.needs_teacher_logits)
+        lp, entropy, s_logits = scorer.logprobs_and_entropy(batch, rows, entropy=algo.entropy_coef > 0,
+                                                            keep_logits=algo.needs_teacher_logits)
         loss, st = clipped_policy_loss(
             lp, batch.old_logprobs[rows], batch.advantages[rows], mask,
             eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
@@ -707,8 +448,9 @@ class AgentRLModule(L.LightningModule):
             is_weights=None if batch.is_weights is None else batch.is_weights[rows],
         )
         stats = dict(vars(st))
-        if algo.needs_teacher_logits:
-            loss = loss + algo.distill_coef * self._distill(batch, rows, normalizer, s_logits)
+        logits_term = algo.logits_loss(s_logits, lambda: scorer.teacher_logits(batch, rows), normalizer)
+        if logits_term is not None:  # grpo_opsd: full-vocabulary distillation toward the teacher view
+            loss = loss + logits_term
         teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[rows]
         extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[rows], mask, normalizer)
         if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
@@ -724,49 +466,6 @@ class AgentRLModule(L.LightningModule):
             for k, v in stats.items():
                 stats_log.setdefault(k, []).append(float(v) * (world if k in _SHARED_TERMS else 1))
         return loss, float((ratio - 1).abs().max()) if ratio.numel() else 0.0
-
-    def _logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, keep_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Student log-probs (with gradient) and the policy's entropy at the action positions, both
-        ``[m, L]`` (0 elsewhere), from one forward; the logits too when ``keep_logits``."""
-        mask = batch.action_mask[rows]
-        logits, targets = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], mask)
-        logits = logits / self.sampling.scoring_temperature
-        lp = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
-        entropy = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
-        lp[mask] = token_logprobs(logits, targets)
-        if self.algorithm.entropy_coef > 0:
-            entropy[mask] = token_entropy(logits)
-        return lp, entropy, (logits if keep_logits else None)
-
-    def _distill(self, batch: RolloutBatch, rows: Tensor, normalizer: float, s_logits: Tensor | None = None) -> Tensor:
-        with torch.no_grad():
-            t_logits, _ = self._action_logits(batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows])
-        if s_logits is None:
-            s_logits, _ = self._action_logits(batch.input_ids[rows], batch.attention_mask[rows], batch.action_mask[rows])
-        ones = torch.ones(1, s_logits.shape[0], dtype=torch.bool, device=s_logits.device)
-        norm = normalizer if self.algorithm.aggregation == "token-mean" else None
-        return distillation_loss(s_logits[None], t_logits[None], ones, normalizer=norm)
-
-    def _placeholder_rows(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(ids, attention, action mask)`` of one 2-token row with one action token: what a dummy forward runs."""
-        ids = torch.full((1, 2), int(self.pad_id), dtype=torch.long, device=self.device)
-        amask = torch.tensor([[False, True]], device=self.device)
-        return ids, torch.ones_like(ids), amask
-
-    def _placeholder_batch(self) -> tuple[RolloutBatch, Tensor]:
-        """A one-row batch for dummy update passes (a rank may have no rows at all), and its row index."""
-        ids, attn, amask = self._placeholder_rows()
-        zeros = torch.zeros(ids.shape, device=self.device)
-        one = torch.ones(1, device=self.device)
-        rb = RolloutBatch(
-            input_ids=ids, attention_mask=attn, action_mask=amask, old_logprobs=zeros,
-            teacher_input_ids=ids, teacher_attention_mask=attn, teacher_action_mask=amask,
-            turn_traj=one.long() * 0, turn_index=one.long() * 0, turn_valid=one.bool(), turn_penalties=one * 0,
-            turn_state=one.long() * 0, success=one * 0, rewards=one * 0, group_ids=one.long() * 0, seq_advantages=one * 0,
-            num_turns=one.long(), student_logprobs=zeros, teacher_logprobs=zeros,
-            ref_logprobs=zeros if self.algorithm.kl_coef > 0 else None, advantages=zeros,
-        )
-        return rb, torch.zeros(1, dtype=torch.long, device=self.device)
 
     def _optimizer_step(self, opt, sched, stats_log: dict[str, list[float]]) -> None:
         params = [p for p in self.model.parameters() if p.grad is not None]

@@ -1,4 +1,8 @@
-"""No-grad scoring forwards that compute a prompt prefix shared by several rows only once.
+"""Scoring forwards: the policy's log-probs and logits at the action tokens.
+
+:class:`Scorer` is what the LightningModule calls (the rollout's no-grad scoring of each view, the
+update's gradient forward, the dummy passes on placeholder rows); below it, the forwards that
+compute a prompt prefix shared by several rows only once.
 
 The teacher view puts the skill block right after the task, so every turn of every copy of a task
 starts with the same long prefix (system prompt, task, skills); only the recent history, the
@@ -14,9 +18,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from agentopsd.distributed import padded
+from agentopsd.losses import token_entropy, token_logprobs
+from agentopsd.types import RolloutBatch
 
 MIN_SHARED_PREFIX = 16
 """A prefix shorter than this is recomputed per row: sharing costs a forward and cache copies."""
@@ -244,3 +253,225 @@ def decoder_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
     decoder = getattr(model, "get_decoder", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     return (decoder, head) if decoder is not None and head is not None else None
+
+
+def whole_model_action_logits(model: nn.Module, ids: Tensor, attn: Tensor, source: Tensor) -> Tensor:
+    """Logits at the ``source`` positions ``[n, V]`` (row-major) from a call of the whole model.
+
+    A sharded model must be called whole (its root gathers embeddings and head only then), which
+    would run the LM head at every position: for 4 rows x 2,560 tokens of Qwen2.5-7B that is 6 GB of
+    logits and gradients where the action positions need 1.2 GB. transformers' ``logits_to_keep``
+    with a boolean mask runs the head at the marked positions only. Versions before it (those vLLM
+    pins) get the same from a pre-hook on the head that hands it the marked positions' hidden states
+    (running the head everywhere made a one-iteration CPU rehearsal take over 25 min).
+    """
+    form = _logits_to_keep_form(model)
+    if form == "mask":
+        return model(input_ids=ids, attention_mask=attn, logits_to_keep=source).logits
+    head = model.get_output_embeddings() if form == "hook" else None
+    if head is None:
+        return model(input_ids=ids, attention_mask=attn).logits[source]
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0][source], *args[1:]))
+    try:
+        logits = model(input_ids=ids, attention_mask=attn).logits
+    finally:
+        handle.remove()
+    if logits.shape[:-1] != (int(source.sum()),):  # a model that reshapes its head's output
+        raise RuntimeError(f"{type(model).__name__}: the LM head's pre-hook gave logits {tuple(logits.shape)}; "
+                           "upgrade transformers (>=5.20: logits_to_keep takes a boolean mask)")
+    return logits
+
+
+def _logits_to_keep_form(model: nn.Module) -> str:
+    """How the head can be limited to the action positions: ``mask`` (``logits_to_keep`` takes a boolean [B, T]
+    mask), ``hook`` (a pre-hook on the output embeddings selects them) or ``none`` (the head runs everywhere)."""
+    import transformers.modeling_utils as mu
+
+    if hasattr(mu, "slice_logits_to_keep") and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        return "mask"  # the boolean-mask form arrived with slice_logits_to_keep
+    return "hook" if callable(getattr(model, "get_output_embeddings", None)) else "none"
+
+
+def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Positions of ``lengths`` grouped into micro-batches of at most ``budget`` padded tokens.
+
+    The rows are taken longest first (a stable sort: rows of equal length keep their given order, so
+    rows sharing a prompt stay side by side); a micro-batch takes rows while ``rows x its longest
+    row`` (what a right-padded forward holds) fits the budget. A row longer than the budget goes alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _trimmed(ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows cut to their longest real length, and ``source``: the positions whose hidden
+    state predicts an action token (position j-1 predicts token j)."""
+    width = int(attn.sum(1).max())
+    ids, attn, amask = ids[:, :width], attn[:, :width], amask[:, :width]
+    source = torch.zeros_like(amask)
+    source[:, :-1] = amask[:, 1:]
+    return ids, attn, amask, source
+
+
+@dataclass
+class Scorer:
+    """The policy's forwards at the action tokens, as the LightningModule's settings make them.
+
+    Built per use from the module's current state (``AgentRLModule.scorer``). ``sharded``: the
+    policy is ``fully_shard``-ed, so every forward is a collective and the whole model is called
+    (its root gathers embeddings and head only then); passes are then agreed over ranks and the
+    missing ones run on placeholder rows through the same code (the rank invariant,
+    :mod:`agentopsd.distributed`).
+    """
+
+    model: nn.Module
+    pad_id: int
+    temperature: float
+    """The scoring temperature: logits are divided by it before the log-softmax."""
+    micro_batch_size: int
+    max_tokens_per_micro_batch: int
+    device: torch.device
+    sharded: bool = False
+
+    def micro_batches(self, rows: Tensor, attn: Tensor) -> list[Tensor]:
+        """``rows`` (indices into ``attn``'s rows) cut into micro-batches: ``optim.micro_batch_size`` rows
+        each in their order, or by ``optim.max_tokens_per_micro_batch`` padded tokens with the rows
+        ordered by length (:func:`token_budget_groups`). The count is this rank's own: a sharded caller
+        agrees it over ranks (``padded``/``exchange``) and fills the missing passes with dummies."""
+        budget = self.max_tokens_per_micro_batch
+        if budget <= 0:
+            return [m for m in rows.split(self.micro_batch_size) if len(m)]
+        lengths = attn[rows].sum(1).tolist()
+        return [rows[torch.tensor(g, dtype=torch.long, device=rows.device)] for g in token_budget_groups(lengths, budget)]
+
+    def decoder_and_head(self, model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+        """The decoder and LM head to call apart (the head then runs only where it is needed), or
+        ``(None, None)`` where the whole model must be called: a sharded root gathers its own
+        parameters (embeddings, head) only when called itself."""
+        if self.sharded:
+            return None, None
+        return decoder_and_head(model) or (None, None)
+
+    def action_logits(self, ids: Tensor, attn: Tensor, amask: Tensor, model: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+        """Logits predicting each action token, flattened row-major ``[n, V]``, and those tokens ``[n]``.
+
+        Only the positions before action tokens go through the LM head: prompts are long and
+        actions short, and a 151k-vocabulary head over every prompt position is what eats memory.
+        """
+        ids, attn, amask, source = _trimmed(ids, attn, amask)
+        model = self.model if model is None else model
+        decoder, head = self.decoder_and_head(model)
+        if decoder is not None:
+            # with gradient too, a prompt prefix shared by several rows (the G copies of a task) runs once:
+            # in a 64-row single-turn batch that is 3x fewer tokens through forward and backward
+            hidden = (decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source] if checkpointing(decoder)
+                      else hidden_at(decoder, ids, attn, source))
+            logits = head(hidden)
+        else:
+            logits = whole_model_action_logits(model, ids, attn, source)
+        return logits, ids[amask]
+
+    def scored_logprobs(self, ids: Tensor, attn: Tensor, amask: Tensor, decoder: nn.Module, head: nn.Module) -> Tensor:
+        """No-grad log-probs of the action tokens, row-major ``[n]``: shared prefixes run once, and the
+        LM head runs over at most ``SCORING_HEAD_POSITIONS`` positions at a time (a 151k-vocabulary
+        head over thousands of action tokens at once would need gigabytes)."""
+        ids, attn, amask, source = _trimmed(ids, attn, amask)
+        hidden = hidden_at(decoder, ids, attn, source)
+        targets = ids[amask]
+        return torch.cat([
+            token_logprobs(head(hidden[k : k + SCORING_HEAD_POSITIONS]) / self.temperature, targets[k : k + SCORING_HEAD_POSITIONS])
+            for k in range(0, max(len(targets), 1), SCORING_HEAD_POSITIONS)
+        ])
+
+    def action_logprobs(
+        self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False, model: nn.Module | None = None
+    ) -> Tensor:
+        """log pi(a_k,t | view) at the student's action positions, ``[m, L]`` (0 elsewhere).
+
+        ``view`` is ``student`` (h_k) or ``teacher`` (h+_k, the skill-augmented context). The
+        teacher view always runs without gradient: the gap is a stop-gradient signal.
+        """
+        if view not in ("student", "teacher"):
+            raise ValueError(f"view must be 'student' or 'teacher', got {view!r}")
+        rows = torch.arange(batch.num_rows, device=batch.input_ids.device) if rows is None else rows
+        out = torch.zeros(batch.old_logprobs[rows].shape, device=batch.input_ids.device, dtype=torch.float32)
+        student_mask = batch.action_mask[rows]
+        if view == "student":
+            ids, attn, amask = batch.input_ids[rows], batch.attention_mask[rows], student_mask
+        else:
+            ids, attn, amask = batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows], batch.teacher_action_mask[rows]
+        pieces = []
+        with_grad = grad and view == "student"
+        decoder, head = self.decoder_and_head(self.model if model is None else model)
+        if not with_grad and decoder is not None:
+            # Scoring only: rows per forward are set by tokens, not by optim.micro_batch_size (a
+            # memory knob of the gradient path, 4 rows in the 3B/7B setups): the more rows one call
+            # holds, the more of them share a prompt prefix that runs once.
+            with torch.no_grad():
+                for sl in token_slices(attn.sum(1).tolist(), SCORING_ROWS_TOKENS):
+                    pieces.append(self.scored_logprobs(ids[sl], attn[sl], amask[sl], decoder, head))
+            out[student_mask] = torch.cat(pieces) if pieces else out.new_zeros(0)
+            return out
+        micros = self.micro_batches(torch.arange(ids.shape[0], device=ids.device), attn)
+        if self.sharded:  # every forward is a collective: ranks with fewer rows run dummy forwards
+            micros = padded(micros, f"scoring/{view}-forwards")
+        with torch.set_grad_enabled(with_grad):
+            for idx in micros:
+                if idx is None:
+                    self.action_logits(*self.placeholder_rows(), model)
+                    continue
+                logits, targets = self.action_logits(ids[idx], attn[idx], amask[idx], model)
+                # boolean indexing is row-major, so the two views' action tokens of a row line up one to one
+                block = out[idx]
+                block[student_mask[idx]] = token_logprobs(logits / self.temperature, targets)
+                out[idx] = block
+        return out
+
+    def logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, *, entropy: bool,
+                             keep_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Student log-probs (with gradient) and, when ``entropy``, the policy's entropy at the action positions,
+        both ``[m, L]`` (0 elsewhere), from one forward; the logits ``[n, V]`` too when ``keep_logits``."""
+        mask = batch.action_mask[rows]
+        logits, targets = self.action_logits(batch.input_ids[rows], batch.attention_mask[rows], mask)
+        logits = logits / self.temperature
+        lp = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
+        ent = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
+        lp[mask] = token_logprobs(logits, targets)
+        if entropy:
+            ent[mask] = token_entropy(logits)
+        return lp, ent, (logits if keep_logits else None)
+
+    def teacher_logits(self, batch: RolloutBatch, rows: Tensor) -> Tensor:
+        """The teacher view's logits at its action tokens ``[n, V]``, without gradient (row-major: they line up
+        with the student's, one to one)."""
+        with torch.no_grad():
+            logits, _ = self.action_logits(batch.teacher_input_ids[rows], batch.teacher_attention_mask[rows],
+                                           batch.teacher_action_mask[rows])
+        return logits
+
+    def placeholder_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(ids, attention, action mask)`` of one 2-token row with one action token: what a dummy forward runs."""
+        ids = torch.full((1, 2), int(self.pad_id), dtype=torch.long, device=self.device)
+        amask = torch.tensor([[False, True]], device=self.device)
+        return ids, torch.ones_like(ids), amask
+
+    def placeholder_batch(self, with_reference: bool) -> tuple[RolloutBatch, Tensor]:
+        """A one-row batch for dummy update passes (a rank may have no rows at all), and its row index."""
+        ids, attn, amask = self.placeholder_rows()
+        zeros = torch.zeros(ids.shape, device=self.device)
+        one = torch.ones(1, device=self.device)
+        rb = RolloutBatch(
+            input_ids=ids, attention_mask=attn, action_mask=amask, old_logprobs=zeros,
+            teacher_input_ids=ids, teacher_attention_mask=attn, teacher_action_mask=amask,
+            turn_traj=one.long() * 0, turn_index=one.long() * 0, turn_valid=one.bool(), turn_penalties=one * 0,
+            turn_state=one.long() * 0, success=one * 0, rewards=one * 0, group_ids=one.long() * 0, seq_advantages=one * 0,
+            num_turns=one.long(), student_logprobs=zeros, teacher_logprobs=zeros,
+            ref_logprobs=zeros if with_reference else None, advantages=zeros,
+        )
+        return rb, torch.zeros(1, dtype=torch.long, device=self.device)

@@ -1,5 +1,5 @@
 """One copy of the weights per node: a node's other ranks build the policy on the meta device and get
-rank 0's weights after FSDP2 sharding (agentopsd.module.fill_from_rank0), checked in a 2-process
+rank 0's weights after FSDP2 sharding (agentopsd.strategies.fill_from_rank0), checked in a 2-process
 torchrun run on CPU (gloo)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SCRIPT = textwrap.dedent('''
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     import transformers
     from agentopsd.models import load_policy
-    from agentopsd.module import fill_from_rank0
+    from agentopsd.strategies import fill_from_rank0
 
     folder = sys.argv[1]
     dist.init_process_group("gloo")

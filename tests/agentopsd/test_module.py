@@ -88,7 +88,7 @@ def test_teacher_view_without_skills_equals_student(tiny_walk_policy):
 def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_policy, monkeypatch):
     """No-grad scoring is one call over all rows (not one per micro-batch of 4), shares their
     prefixes, and gives the plain per-micro-batch forward's log-probs however it is split."""
-    import agentopsd.module as module_mod
+    import agentopsd.scoring as scoring_mod
     from agentopsd.losses import token_logprobs
 
     module = make_module(tiny_walk_policy)  # micro_batch_size 4
@@ -96,22 +96,22 @@ def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_po
     batch = module.rollout(_task_batch(0))
     assert batch.num_rows > 4
     calls = []
-    real_hidden_at = module_mod.hidden_at
-    monkeypatch.setattr(module_mod, "hidden_at", lambda decoder, ids, *a, **k: calls.append(len(ids)) or real_hidden_at(decoder, ids, *a, **k))
+    real_hidden_at = scoring_mod.hidden_at
+    monkeypatch.setattr(scoring_mod, "hidden_at", lambda decoder, ids, *a, **k: calls.append(len(ids)) or real_hidden_at(decoder, ids, *a, **k))
     scored = module.action_logprobs(batch, "teacher")
     assert calls == [batch.num_rows]
     # whole rows, one micro-batch at a time: the gradient path's forward with prefix sharing off
     with torch.no_grad(), monkeypatch.context() as plain_forward:
-        plain_forward.setattr(module_mod, "checkpointing", lambda decoder: True)
+        plain_forward.setattr(scoring_mod, "checkpointing", lambda decoder: True)
         plain = torch.cat([
-            token_logprobs(*module._action_logits(batch.teacher_input_ids[s:s + 4], batch.teacher_attention_mask[s:s + 4],
-                                                  batch.teacher_action_mask[s:s + 4]))
+            token_logprobs(*module.scorer.action_logits(batch.teacher_input_ids[s:s + 4], batch.teacher_attention_mask[s:s + 4],
+                                                        batch.teacher_action_mask[s:s + 4]))
             for s in range(0, batch.num_rows, 4)
         ])
     assert torch.allclose(scored[batch.action_mask], plain, atol=1e-5)
     # one row per call and three LM-head positions at a time: the same numbers
-    monkeypatch.setattr(module_mod, "SCORING_ROWS_TOKENS", 1)
-    monkeypatch.setattr(module_mod, "SCORING_HEAD_POSITIONS", 3)
+    monkeypatch.setattr(scoring_mod, "SCORING_ROWS_TOKENS", 1)
+    monkeypatch.setattr(scoring_mod, "SCORING_HEAD_POSITIONS", 3)
     calls.clear()
     split = module.action_logprobs(batch, "teacher")
     assert calls == [1] * batch.num_rows
@@ -124,6 +124,7 @@ def test_update_with_shared_prefixes_equals_the_plain_update(tiny_walk_policy, m
     (Compared before the step: Adam's first step is lr * sign(g), which turns rounding noise in
     near-zero gradients into lr-sized differences.)"""
     import agentopsd.module as module_mod
+    import agentopsd.scoring as scoring_mod
 
     module = make_module(tiny_walk_policy, algorithm=Algorithm(), ppo_epochs=1, num_mini_batches=1, micro_batch_size=2)
     module.trainer = None
@@ -140,7 +141,7 @@ def test_update_with_shared_prefixes_equals_the_plain_update(tiny_walk_policy, m
             m.setattr(module, "_optimizer_step", lambda *a, name=name: grads.setdefault(
                 name, {k: p.grad.clone() for k, p in module.model.named_parameters() if p.grad is not None}))
             if name == "plain":
-                m.setattr(module_mod, "checkpointing", lambda decoder: True)
+                m.setattr(scoring_mod, "checkpointing", lambda decoder: True)
                 m.setattr(module_mod, "sharing_order", lambda ids, attn: torch.arange(ids.shape[0]))
             module.update(batch, 0)
     assert batch.num_rows > 2 and grads["plain"].keys() == grads["shared"].keys()
@@ -206,7 +207,7 @@ def test_an_update_moves_an_action_the_way_of_its_advantage(tiny_walk_policy, si
 
 
 def test_token_budget_groups_order_rows_by_length_within_the_budget():
-    from agentopsd.module import token_budget_groups
+    from agentopsd.scoring import token_budget_groups
 
     lengths = [5, 9, 3, 9, 4, 20, 6]
     groups = token_budget_groups(lengths, 18)
