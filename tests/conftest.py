@@ -68,6 +68,25 @@ if TOY_ID not in gym.registry:
 
 
 @pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory):
+    """``train.py experiment=<name>_tiny`` once per test session, shared by every test that reads such a run
+    (babyai_tiny also writes its report): returns ``run(experiment) -> (output folder, stdout)``."""
+    done: dict[str, tuple[Path, str]] = {}
+
+    def run(experiment: str) -> tuple[Path, str]:
+        if experiment not in done:
+            from tests.test_train import run_train
+
+            out = tmp_path_factory.mktemp("tiny") / experiment
+            extra = ["report=true"] if experiment == "babyai_tiny" else []
+            proc = run_train(f"experiment={experiment}", f"output_dir={out}", "trainer.enable_progress_bar=false", *extra)
+            done[experiment] = (out, proc.stdout)
+        return done[experiment]
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("tokenizers"))
 

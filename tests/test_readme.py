@@ -28,6 +28,29 @@ def test_python_blocks_run_as_written(code):
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
 
 
+CREDIT_EXAMPLE = next(code for code in PYTHON if "reshape_advantages(" in code)
+
+
+def test_the_credit_example_prints_the_turn_advantages_worked_by_hand(capsys):
+    """The example's numbers, worked by hand (gamma 0.95, lam 0.5, band 0.2: the defaults):
+    A = +-0.5 / (sample std 0.707107 + 1e-6) = +-0.707106; prior 1/2, so l0 = 0.
+    Evidence, teacher - student summed per turn: winner [0.4 + 0.3, 0.0, -0.1] = [0.7, 0, -0.1];
+    loser [-0.3, -0.1 + 0.2] = [-0.3, 0.1] (its last token is off the turns).
+    Winner: c = [0.7, 0.665, 0.53175], B = sigmoid(c) = [0.668188, 0.660383, 0.629891],
+      dB = [0.168188, -0.007805, -0.030491], z = [1.40492, -0.57486, -0.83006] (population std + 1e-4),
+      w = 1 + 0.2 z = [1.2 (clipped from 1.281), 0.885029, 0.833988], At = A (0.5 + 0.5 w) = [0.777816, 0.666457, 0.648412].
+    Loser: c = [-0.3, -0.185], B = [0.425557, 0.453881], dB = [-0.074443, 0.028324], q = -dB, z = [0.99806, -0.99806],
+      w = [1.199612, 0.800388], At = -A (0.5 + 0.5 w) = [-0.777679, -0.636533], and 0 on the padded turn."""
+    namespace: dict = {"__name__": "readme"}
+    exec(compile(CREDIT_EXAMPLE, "README.md", "exec"), namespace)
+    got = namespace["turn_adv"]
+    assert got.shape == (2, 3) and got[1, 2].item() == 0.0
+    expected = [0.777816, 0.666457, 0.648412, -0.777679, -0.636533, 0.0]
+    assert got.flatten().tolist() == pytest.approx(expected, abs=2e-6)
+    printed = [float(x) for x in re.findall(r"-?\d+\.\d+", capsys.readouterr().out)]
+    assert printed == pytest.approx(expected, abs=1e-4)  # what the reader sees
+
+
 def _overrides(line: str) -> list[str]:
     words = shlex.split(line.split("#", 1)[0])
     start = next(i for i, w in enumerate(words) if w in ("train.py", "agentopsd-train"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -36,27 +37,57 @@ def shard_records(out: Path) -> dict[str, list[dict]]:
     return {p.name: [json.loads(s["json"]) for s in wds.WebDataset(str(p), shardshuffle=False)] for p in sorted((out / "rollouts").glob("*.tar"))}
 
 
+def check_belief_recursion(turns: list[dict], group_size: int, gamma: float = 0.95) -> None:
+    """The logged beliefs and revisions, recomputed from the logged evidence by the paper's recursion:
+    l0 = logit(prior), c_k = gamma c_{k-1} + e_k, B_k = sigmoid(l0 + c_k), dB_k = B_k - B_{k-1}, B_{-1} = sigmoid(l0),
+    with the prior the group's success rate j / group_size clipped to [1e-4, 1 - 1e-4] (read back from turn 0)."""
+    l0 = math.log(turns[0]["belief"] / (1 - turns[0]["belief"])) - turns[0]["evidence"]
+    rates = [min(max(j / group_size, 1e-4), 1 - 1e-4) for j in range(group_size + 1)]
+    assert min(abs(l0 - math.log(r / (1 - r))) for r in rates) < 1e-3, (l0, rates)
+    acc, previous = 0.0, 1 / (1 + math.exp(-l0))
+    for turn in turns:
+        acc = gamma * acc + turn["evidence"]
+        belief = 1 / (1 + math.exp(-(l0 + acc)))
+        assert turn["belief"] == pytest.approx(belief, rel=1e-3, abs=1e-7)
+        assert turn["revision"] == pytest.approx(belief - previous, rel=1e-2, abs=1e-7)
+        assert 0.8 - 1e-6 <= turn["multiplier"] <= 1.2 + 1e-6  # the band b = 0.2
+        previous = belief
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", TINY)
-def test_tiny_experiment_end_to_end(experiment, tmp_path):
+def test_tiny_experiment_end_to_end(experiment, tiny_runs):
     if experiment == "alfworld_tiny":
         pytest.importorskip("alfworld")
-    out = tmp_path / experiment
-    proc = run_train(f"experiment={experiment}", f"output_dir={out}", "trainer.enable_progress_bar=false")
-    assert "eval success:" in proc.stdout
+    out, stdout = tiny_runs(experiment)
+    assert "eval success:" in stdout
     assert (out / "checkpoints" / "last.ckpt").is_file()
     rows = metrics_rows(out)
-    keys = {k for row in rows for k, v in row.items() if v != ""}
-    for key in ("loss/pg_loss", "loss/first_ratio_dev", "rollout/success", "perf/rollout_seconds", "perf/teacher_seconds", "credit/mean_abs_revision", "eval/success"):
-        assert key in keys, f"{key} not logged; got {sorted(keys)}"
+    trained = [r for r in rows if r.get("rollout/iteration")]
+    assert [float(r["rollout/iteration"]) for r in trained] == [1.0, 2.0]
+    for row in trained:
+        assert math.isfinite(float(row["loss/pg_loss"]))
+        # the first mini-batch is on-policy: new / old log-prob ratio 1 up to float rounding
+        assert 0 <= float(row["loss/first_ratio_dev"]) < 1e-4
+        tasks, copies = 2, (4 if experiment == "babyai_tiny" else 2)  # the experiments' data settings
+        success = float(row["rollout/success"])
+        assert any(success == pytest.approx(k / (tasks * copies)) for k in range(tasks * copies + 1)), success
+        assert float(row["perf/rollout_seconds"]) > 0 and float(row["perf/teacher_seconds"]) > 0
+        assert 0 < float(row["credit/mean_abs_revision"]) < 1  # the teacher and student views differ; dB in (-1, 1)
+    evals = [float(r["eval/success"]) for r in rows if r.get("eval/success")]
+    assert evals and all(0.0 <= e <= 1.0 for e in evals)
+    assert re.search(rf"eval success: {evals[0] * 100:.1f}% before RL -> {evals[-1] * 100:.1f}% after 2 iterations", stdout)
     shards = shard_records(out)
     assert list(shards) == ["rollouts-000001.tar", "rollouts-000002.tar"]  # iterations 1 and 2, numbered like every log
-    first = shards["rollouts-000001.tar"][0]
-    assert first["turns"] and {"belief", "revision", "multiplier", "advantage"} <= set(first["turns"][0])
-    assert all(0.0 <= t["belief"] <= 1.0 for t in first["turns"])
-    # each action token's gap is logged, and the turn's evidence is their sum
-    for turn in first["turns"]:
-        assert turn["gaps"] and turn["evidence"] == pytest.approx(sum(turn["gaps"]), abs=1e-4)
+    for name, records in shards.items():
+        assert records and all(r["iteration"] == int(name[9:15]) for r in records)
+        for record in records:
+            turns = record["turns"]
+            assert turns and {"belief", "revision", "multiplier", "advantage"} <= set(turns[0])
+            check_belief_recursion(turns, copies)
+            # each action token's gap is logged, and the turn's evidence is their sum
+            for turn in turns:
+                assert turn["gaps"] and turn["evidence"] == pytest.approx(sum(turn["gaps"]), abs=1e-4)
 
 
 @pytest.mark.slow
@@ -116,7 +147,16 @@ def test_shortened_quickstart_writes_the_report(tmp_path):
     for image in images:
         data = (out / "report" / image).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
-    assert "Credit per turn" in page and ("Which turn" in page or "No credit to assign" in page)
+    assert "Credit per turn" in page
+    from agentopsd.report import pick_credit_examples, read_shards
+
+    # each plotted trajectory's heading says what its picture answers: which turn won (or lost) where the group's
+    # outcomes were mixed (A_seq != 0), that there was no credit to assign where every copy ended alike
+    headings = re.findall(r"<h3>([^<]*)</h3>", page)
+    expected = [("Which turn won the game?" if r["success"] else "Which turn lost the game?") if r["seq_advantage"] != 0
+                else f"No credit to assign: every copy of this task {'won' if r['success'] else 'lost'}"
+                for r in pick_credit_examples(read_shards(out))]
+    assert expected and headings[: len(expected)] == expected
     assert "seed <b>0</b>" in page and "commit <b>" in page and "Credit statistics" in page
     assert page.count("</td></tr>") >= 3  # per-turn rows of a real trajectory: action, B_k, dB_k, w_k
     evals = [r for r in metrics_rows(out) if r.get("eval/success")]

@@ -75,20 +75,21 @@ def test_the_7b_arithmetic_by_hand() -> None:
     actions = 4 * 512
     assert plan.logits == vocab * (actions * 2 * 2 + actions * 8 + actions * 12) == 7_474_249_728
     assert plan.reference == params * 4 // 8 == 3_807_808_256  # the frozen copy as loaded (float32), sharded like the policy
-    assert plan.vllm == int(0.4 * 80 * GIB)  # rollout.vllm.gpu_memory_utilization 0.4
-    assert plan.vllm_weights == params * 2  # vLLM's bf16 copy
-    assert plan.margin == 2 * GIB
-    # the sync: two full bf16 copies of the largest weight (the 152064 x 3584 embedding or head)
-    assert plan.sync_temporary == 2 * vocab * h * 2
-    training = 3_807_808_256 * 4 + 11_516_680_192 + 6_081_740_800 + 7_474_249_728 + 3_807_808_256
-    resident = 3_807_808_256 * 3 + 3_807_808_256 + 2 * GIB  # weights, AdamW, reference, margin: no gradients
-    # sleep mode (enable_sleep_mode: auto): vLLM keeps ~1 GiB through the update, wakes weights for the sync
-    assert plan.sleep_mode and plan.phases == {
-        "update": training + memory.VLLM_ASLEEP_BYTES + 2 * GIB,
-        "sync": resident + params * 2 + 2 * vocab * h * 2,
-        "rollout": resident + int(0.4 * 80 * GIB),
-    }
-    assert plan.total == max(plan.phases.values()) == resident + int(0.4 * 80 * GIB)  # the rollout is the peak
+    # the literals below are worked by hand from the sizes above, not from the plan's formulas:
+    assert plan.vllm == 34_359_738_368  # rollout.vllm.gpu_memory_utilization 0.4 of 80 GiB = 32 x 2**30
+    assert plan.vllm_weights == 15_231_233_024  # vLLM's bf16 copy: 7,615,616,512 x 2 bytes
+    assert plan.margin == 2_147_483_648  # 2 GiB
+    # the sync: two full bf16 copies of the largest weight, the 152,064 x 3,584 embedding (or head):
+    # 544,997,376 values x 2 bytes x 2 copies
+    assert plan.sync_temporary == 2_179_989_504
+    # update: weights 3,807,808,256 + gradients 3,807,808,256 + AdamW 7,615,616,512 + gathered 11,516,680,192
+    #   + activations 6,081,740,800 + logits 7,474,249,728 + reference 3,807,808,256 = 44,111,712,000,
+    #   + vLLM asleep 1 GiB (1,073,741,824) + margin 2 GiB (2,147,483,648) = 47,332,937,472
+    # resident between updates: weights + AdamW + reference + margin = 15,231,233,024 + 2,147,483,648 = 17,378,716,672
+    # sync: resident + vLLM's bf16 weights 15,231,233,024 + 2,179,989,504 = 34,789,939,200
+    # rollout: resident + vLLM's 34,359,738,368 = 51,738,455,040 (the peak; / 2**30 = 48.186)
+    assert plan.sleep_mode and plan.phases == {"update": 47_332_937_472, "sync": 34_789_939_200, "rollout": 51_738_455_040}
+    assert plan.total == 51_738_455_040
     assert round(plan.total / GIB, 2) == 48.19
     assert plan.warnings == []  # fits
     report = plan.report()
@@ -97,12 +98,14 @@ def test_the_7b_arithmetic_by_hand() -> None:
     awake = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed",
                                         "model.dtype=float32", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.001",
                                         "rollout.vllm.enable_sleep_mode=false"]), gpu_memory_gib=80)
-    expected_total = training + int(0.4 * 80 * GIB) + 2 * GIB
+    # 44,111,712,000 (the update above) + vLLM awake 34,359,738,368 + margin 2,147,483,648
+    expected_total = 80_618_934_016
     assert not awake.sleep_mode and awake.total == expected_total and round(awake.total / GIB, 2) == 75.08
     # the shipped setting loads bf16 weights: the reference copy is bf16, the master weights float32
     shipped = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "rollout.vllm.enable_sleep_mode=false"]), 80)
     assert shipped.param_dtype == "float32" and shipped.reference == params * 2 // 8
-    assert shipped.phases["update"] == expected_total - 3_807_808_256 + params * 2 // 8
+    # the float32 reference (3,807,808,256 over 8 shards) becomes bf16: 7,615,616,512 x 2 / 8 = 1,903,904,128
+    assert shipped.phases["update"] == 80_618_934_016 - 3_807_808_256 + 1_903_904_128
 
 
 def test_alfworld_3b_fits_one_80_gib_gpu_with_sleep_mode_and_not_without() -> None:
@@ -215,7 +218,12 @@ def test_cli_plans_every_paper_experiment(experiment: str, capsys) -> None:
     out = capsys.readouterr().out
     size = "7.62B" if experiment.endswith("7b") else "3.09B"
     assert f"({size} parameters, built-in Qwen2.5 table), FSDP2 over 8 device(s)" in out
-    assert "GiB of 141.00 GiB (--gpu-memory-gib): " in out  # fits or not: the config decides
+    # the rollout is the peak (sleep mode): float32 weights + AdamW over 8 shards, the bf16 reference over 8,
+    # 2 GiB margin and vLLM's 0.4 x 141 GiB = 60,559,038,873 bytes.
+    # 7B: 3,807,808,256 x 3 + 1,903,904,128 + 2,147,483,648 + 60,559,038,873 = 76,033,851,417 = 70.81 GiB
+    # 3B: 1,542,969,344 x 3 + 771,484,672 + 2,147,483,648 + 60,559,038,873 = 68,106,915,225 = 63.43 GiB
+    total = "70.81" if experiment.endswith("7b") else "63.43"
+    assert f" {total} GiB of 141.00 GiB (--gpu-memory-gib): fits\n" in out
 
 
 def test_cli_runs_as_a_module() -> None:

@@ -202,17 +202,28 @@ def test_without_a_replayable_env_the_report_says_the_ground_truth_is_not_availa
 
 
 @pytest.mark.slow
-def test_the_report_of_a_tiny_babyai_run_labels_every_plotted_turn(tmp_path) -> None:
-    """``train.py experiment=babyai_tiny report=true``: a real run, its logged turns replayed by the report."""
+def test_the_report_of_a_tiny_babyai_run_labels_every_plotted_turn(tiny_runs) -> None:
+    """``train.py experiment=babyai_tiny report=true``: a real run (shared with ``test_train``), its logged turns
+    replayed by the report."""
     import re
 
-    from tests.test_train import run_train
-
-    out = tmp_path / "babyai_tiny"
-    run_train("experiment=babyai_tiny", f"output_dir={out}", "report=true", "trainer.enable_progress_bar=false")
+    out, _ = tiny_runs("babyai_tiny")
     page = (out / "report" / "index.html").read_text()
     credit = page[page.index("<h2>Credit per turn"):page.index("<h2>Credit statistics")]
-    assert credit.count("<th>expert path before -> after</th><th>label</th>") >= 1 and "not available" not in credit
-    rows = re.findall(r"<td>(\d+|none) -> (\d+|none)</td><td style='color:\w+'>(progress|wasted|fatal|lost)</td></tr>", credit)
-    assert rows and len(rows) == credit.count("</td></tr>")  # every plotted turn carries its expert path and label
-    assert "turn pairs" in credit or "no two turns differ in expert gain" in credit
+    sections = credit.split("<h3>")[1:]
+    assert sections and "not available" not in credit
+    for section in sections:
+        assert section.count("<th>expert path before -> after</th><th>label</th>") == 1
+        rows = re.findall(r"<td>(\d+|none) -> (\d+|none)</td><td style='color:\w+'>(progress|wasted|fatal|lost)</td></tr>",
+                          section)
+        assert rows and len(rows) == section.count("</td></tr>")  # every plotted turn carries its expert path and label
+        # the expert gain of each turn, from the page's own rows: lost already 0, fatal its own class, else before - after
+        gains = [0 if b == "none" else "fatal" if a == "none" else int(b) - int(a) for b, a, _ in rows]
+        labels = ["lost" if b == "none" else "fatal" if a == "none" else "progress" if int(b) > int(a) else "wasted"
+                  for b, a, _ in rows]
+        assert [label for _, _, label in rows] == labels
+        pairs = sum(gains[i] != gains[j] for i in range(len(gains)) for j in range(i + 1, len(gains)))
+        if pairs:
+            assert f"of the {pairs} turn pairs that differ in expert gain" in section
+        else:
+            assert "here no two turns differ in expert gain" in section

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
-from agentopsd.credit import grpo_advantages, rlsd_token_advantages, turn_multipliers
+from agentopsd.credit import grpo_advantages
 from agentopsd.study.credit_quality import (
     cluster_bootstrap_mean,
     paired_accuracy_difference,
@@ -33,46 +35,67 @@ def test_every_rule_is_returned_per_trajectory_and_turn() -> None:
     assert all([len(r) for r in got[rule]] == [3, 2] for rule in RULES)
 
 
-def test_the_token_rules_are_the_trainings_token_multipliers_averaged_over_each_turn() -> None:
+def _paper_multipliers(evidence: list[float], sign: float, prior: float, *, gamma: float = 0.95, band: float = 0.2,
+                       mode: str = "belief") -> list[float]:
+    """The paper's steps 4-9 written out again in plain Python, one trajectory at a time (a second
+    implementation, not the package's): l0 = logit(prior), c_k = gamma c_{k-1} + e_k, B_k = sigmoid(l0 + c_k),
+    dB_k = B_k - B_{k-1}, q_k = sign dB_k, z = (q - mean) / (population std + 1e-4), w = clip(1 + b z)."""
+    l0 = 0.0 if mode == "no_prior" else math.log(prior / (1 - prior))
+    acc, previous, q = 0.0, 1 / (1 + math.exp(-l0)), []
+    for e in evidence:
+        acc = gamma * acc + e
+        belief = 1 / (1 + math.exp(-(l0 + acc)))
+        q.append(sign * (belief - previous))
+        previous = belief
+    mean = sum(q) / len(q)
+    std = math.sqrt(sum((v - mean) ** 2 for v in q) / len(q))
+    return [min(1 + band, max(1 - band, 1 + band * (v - mean) / (std + 1e-4))) for v in q]
+
+
+def test_the_paper_rule_on_a_hand_worked_group() -> None:
+    """Winner [0, 2, 0] and loser [0, -1], prior 1/2 (l0 = 0), gamma 0.95, band 0.2, worked by hand:
+    winner: c = [0, 2, 1.9], B = [0.5, 0.880797, 0.869892], dB = [0, 0.380797, -0.010906]; mean 0.123297,
+      population std 0.182134, z = [-0.67659, 1.41302, -0.73643], w = [0.864683, 1.2 (clipped 1.2826), 0.852714];
+    loser: B = [0.5, 0.268941], dB = [0, -0.231059], q = -dB = [0, 0.231059], z = [-0.99914, 0.99914],
+      w = [0.800173, 1.199827], ordered by sign(A) w = [-0.800173, -1.199827]."""
+    got = rule_orderings(_group([True, False], [[0.0, 2.0, 0.0], [0.0, -1.0]]))["agentopsd"]
+    np.testing.assert_allclose(got[0], [0.864683, 1.2, 0.852714], atol=1e-6)
+    np.testing.assert_allclose(got[1], [-0.800173, -1.199827], atol=1e-6)
+
+
+def test_the_token_rules_are_the_paper_recursion_and_rlsd_per_token_averaged_over_each_turn() -> None:
     """``token``: the recursion over the trajectory's tokens in order (one accumulator across turns);
-    ``rlsd``: clip(exp(sign(A) delta_t)) as training's RLSD computes it; each turn ordered by its tokens' mean."""
+    ``rlsd``: clip(exp(sign(A) delta_t), 0.8, 1.2); each turn ordered by sign(A) times its tokens' mean w."""
     gaps = [[[0.2, -0.1], [1.0], [0.0, 0.3, -0.2]], [[-0.5], [0.4, 0.1]], [[0.0]]]
     group = _group([True, False, True], [[sum(t) for t in g] for g in gaps], token_gaps=gaps)
     got = rule_orderings(group)
-    adv = torch.tensor(group.seq_advantages, dtype=torch.float64)
-    flat = [[d for t in g for d in t] for g in gaps]
-    width = max(map(len, flat))
-    delta = torch.zeros(3, width, dtype=torch.float64)
-    mask = torch.zeros(3, width, dtype=torch.bool)
-    for i, f in enumerate(flat):
-        delta[i, : len(f)] = torch.tensor(f)
-        mask[i, : len(f)] = True
-    _, _, w = turn_multipliers(adv, delta, mask, torch.full((3,), 2 / 3, dtype=torch.float64))
-    lam = 0.5
-    rlsd = rlsd_token_advantages(adv, delta, torch.zeros_like(delta), mask, lam=lam)
-    w_rlsd = (rlsd / adv[:, None] - (1 - lam)) / lam
     for i, g in enumerate(gaps):
+        s = 1.0 if group.success[i] else -1.0  # sign(A_seq): 2 of 3 won
+        flat = [d for t in g for d in t]
+        w = _paper_multipliers(flat, s, 2 / 3)
+        w_rlsd = [min(1.2, max(0.8, math.exp(s * d))) for d in flat]
         bounds = np.cumsum([0] + [len(t) for t in g])
         spans = list(zip(bounds[:-1], bounds[1:]))
-        s = float(torch.sign(adv[i]))
-        np.testing.assert_allclose(got["token"][i], [s * w[i, a:b].mean().item() for a, b in spans])
-        np.testing.assert_allclose(got["rlsd"][i], [s * w_rlsd[i, a:b].mean().item() for a, b in spans])
+        np.testing.assert_allclose(got["token"][i], [s * np.mean(w[a:b]) for a, b in spans], rtol=1e-12)
+        np.testing.assert_allclose(got["rlsd"][i], [s * np.mean(w_rlsd[a:b]) for a, b in spans], rtol=1e-12)
+    # the last trajectory has one token: z = 0, w = 1; RLSD's exp(0) = 1
+    assert got["token"][2].tolist() == [1.0] and got["rlsd"][2].tolist() == [1.0]
+    # the first turn of the loser: one token of gap -0.5, sign -1: exp(0.5) = 1.6487 clipped to 1.2
+    assert got["rlsd"][1][0] == pytest.approx(-1.2)
 
 
-def test_the_paper_rule_is_sign_times_the_trainings_multiplier() -> None:
-    """The recomputation is the training code's own function on the same inputs (prior = the group's rate)."""
+def test_the_paper_rule_and_its_prior_free_ablation_match_a_second_implementation() -> None:
+    """The prior is the group's success rate (3 of 4); ``no_prior`` starts the belief at 1/2."""
     group = _group([True, False, True, True], [[0.1, 1.5, -0.2], [0.0, -2.0, 0.3, 0.1], [0.4], [-0.3, 0.2]])
-    got = rule_orderings(group)["agentopsd"]
-    adv = torch.tensor(group.seq_advantages, dtype=torch.float64)
-    gaps = torch.zeros(4, 4, dtype=torch.float64)
-    mask = torch.zeros(4, 4, dtype=torch.bool)
+    got = rule_orderings(group)
     for i, e in enumerate(group.evidence):
-        gaps[i, : len(e)] = torch.tensor(e)
-        mask[i, : len(e)] = True
-    _, _, w = turn_multipliers(adv, gaps, mask, torch.full((4,), 0.75, dtype=torch.float64))
-    for i, e in enumerate(group.evidence):
-        np.testing.assert_allclose(got[i], (torch.sign(adv[i]) * w[i, : len(e)]).numpy())
-    assert got[2].tolist() == [1.0]  # a single turn: w = 1
+        s = 1.0 if group.success[i] else -1.0
+        np.testing.assert_allclose(got["agentopsd"][i], [s * w for w in _paper_multipliers(list(e), s, 0.75)], rtol=1e-12)
+        np.testing.assert_allclose(got["no_prior"][i], [s * w for w in _paper_multipliers(list(e), s, 0.75, mode="no_prior")],
+                                   rtol=1e-12)
+    assert got["agentopsd"][2].tolist() == [1.0]  # a single turn: w = 1
+    # the prior matters: with l0 = logit(3/4) the same evidence moves the belief less than from 1/2
+    assert not np.allclose(got["agentopsd"][0], got["no_prior"][0])
 
 
 def test_the_decisive_turn_of_a_won_episode_ranks_first_under_the_evidence_rules() -> None:
