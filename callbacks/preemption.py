@@ -86,9 +86,7 @@ class PreemptionCallback(L.Callback):
             signal.signal(num, handler)
 
     def _restore(self) -> None:
-        if self._timer is not None:  # the stop came in time (or the fit ended): no forced exit later
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         for num, previous in self._previous.items():
             signal.signal(num, previous)
         self._previous.clear()
@@ -97,7 +95,17 @@ class PreemptionCallback(L.Callback):
         if threading.current_thread() is threading.main_thread():
             self._restore()
 
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:  # the stop was reached (or the fit ended): no forced exit later
+            self._timer.cancel()
+            self._timer = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._cancel_timer()
+
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # the safe point was reached (Lightning does not call teardown on this path): the forced exit is off
+        self._cancel_timer()
         if not isinstance(exception, Preempted):
             return
         if not exception.update_done:

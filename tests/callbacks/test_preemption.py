@@ -190,3 +190,22 @@ def test_a_stop_never_waits_forever(monkeypatch, tmp_path, how):
         callback._restore()
     code, why = exits[0]
     assert code == 128 + signal.SIGTERM and (("second" in why) if how == "second signal" else ("no safe point" in why))
+
+
+def test_a_stop_reached_in_time_leaves_no_forced_exit(tmp_path):
+    """The grace timer of a stop that reached its safe point is cancelled (on_exception: Lightning does
+    not call teardown there), or it would end the process later: a test run died so, 600 s on."""
+    from types import SimpleNamespace
+
+    callback = PreemptionCallback(IterationCheckpoint(str(tmp_path)), grace_s=600)
+    module = SimpleNamespace(stop_request=StopRequest())
+    callback.on_train_start(SimpleNamespace(global_rank=0), module)
+    try:
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        timer = callback._timer
+        assert timer is not None and timer.is_alive()
+        callback.on_exception(SimpleNamespace(), module, RuntimeError("not a stop"))
+        timer.join(2)
+        assert not timer.is_alive() and callback._timer is None
+    finally:
+        callback._restore()
