@@ -18,7 +18,7 @@ exported to ``<eval_dir>/model`` first, since vLLM loads its weights from a fold
 The trainer's ``trainer=`` config launches the processes (``trainer=ddp trainer.devices=2``) and the
 evaluation is the training's own (``AgentRLModule.evaluate``), split across ranks as it is there. Results go
 to ``eval_dir=`` (default: ``<run>/eval/<stamp>`` for a checkpoint, ``runs/<name>/eval/<stamp>`` otherwise):
-``eval.json`` (every metric, the protocol, the model), ``eval.md`` (success overall, by task type, by
+``eval.json`` (every metric, the protocol, the model), ``eval.markdown`` (success overall, by task type, by
 horizon) and ``episodes.jsonl`` (one line per episode: task, success, turns, actions), and one summary line.
 """
 
@@ -367,7 +367,7 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
     if trainer.is_global_zero:
         eval_dir.mkdir(parents=True, exist_ok=True)
         (eval_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        (eval_dir / "eval.md").write_text(markdown(result))
+        (eval_dir / "eval.markdown").write_text(markdown(result))
         with (eval_dir / "episodes.jsonl").open("w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
@@ -397,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if result["is_global_zero"]:
         print(summary_line(result))
-        print(f"results: {result['eval_dir']} (eval.json, eval.md, episodes.jsonl)")
+        print(f"results: {result['eval_dir']} (eval.json, eval.markdown, episodes.jsonl)")
     return 0
 
 

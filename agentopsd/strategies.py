@@ -75,7 +75,7 @@ def fill_from_rank0(model: nn.Module, full_state: dict[str, Tensor], device: str
     saved = set(model.state_dict())
     for name, buf in model.named_buffers():
         if name not in saved:
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf.to_local() if hasattr(buf, "to_local") else buf, src=0)  # a replicated DTensor: its local tensor
 
 
 def upcast_half_params(model: nn.Module) -> bool:

@@ -40,7 +40,7 @@ def test_the_readme_command_on_an_exported_folder(trained_run, tmp_path):  # noq
     assert result["protocol"] == {**result["protocol"], "env_id": "agentopsd/BabyAI-GoToLocal-v0", "num_tasks": 10, "greedy": True,
                                   "temperature": 0.0, "sampled_copies": 0, "seed": 0, "backend": "hf"}
     assert result["model"]["iterations_done"] == 2  # read from the folder's agentopsd.json
-    md = (tmp_path / "ev" / "eval.md").read_text()
+    md = (tmp_path / "ev" / "eval.markdown").read_text()
     assert "| task type | success |" in md and "| expert steps | episodes | success |" in md
     episodes = [json.loads(x) for x in (tmp_path / "ev" / "episodes.jsonl").read_text().splitlines()]
     assert [e["task_index"] for e in episodes] == list(range(10))
@@ -53,7 +53,7 @@ def test_a_checkpoint_with_sampled_copies_writes_beside_the_run(trained_run, tmp
     out = Path(res["eval_dir"])
     try:
         assert out.parent == trained_run.resolve() / "eval"  # <run>/eval/<stamp>
-        assert {"eval.json", "eval.md", "episodes.jsonl"} <= {p.name for p in out.iterdir()}
+        assert {"eval.json", "eval.markdown", "episodes.jsonl"} <= {p.name for p in out.iterdir()}
         m = res["metrics"]
         assert m["eval/episodes"] == 3 and m["eval/sampled/episodes"] == 6
         assert [e["kind"] for e in res["episodes"]].count("sampled") == 6

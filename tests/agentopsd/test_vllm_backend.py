@@ -98,7 +98,7 @@ def test_two_ranks_each_run_their_own_colocated_engine(tmp_path):
 @pytest.mark.timeout(400)
 def test_sync_benchmark_runs_and_the_stream_holds_less_than_the_old_paths(tmp_path):
     python = _vllm_python()
-    out = tmp_path / "sync.md"
+    out = tmp_path / "sync_benchmark.md"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     returncode, tail = _run_in_own_group([str(python), str(ROOT / "benchmarks" / "sync.py"), "--layers", "1", "--repeats", "1",
                                           "--out", str(out)], env, timeout=360)

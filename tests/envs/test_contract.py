@@ -1,4 +1,4 @@
-"""Every registered ``agentopsd/*`` environment keeps the contract the trainer reads (``envs.base.TextEnv``)."""
+"""Every registered ``agentopsd/*`` environment keeps the contract the trainer reads (``agentopsd.envs.base.TextEnv``)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from agentopsd.study.lever import lever, main, table
 
 
 def _run(tmp_path, name: str, xz: bool) -> object:
-    from callbacks.rollout_logging import write_shard
+    from agentopsd.callbacks.rollout_logging import write_shard
 
     run = tmp_path / name
     (run / ".hydra").mkdir(parents=True)
