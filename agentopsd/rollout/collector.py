@@ -160,10 +160,12 @@ class Collector:
         evaluating = split == "eval"
         if evaluating and with_teacher:
             raise ValueError("the teacher view is training-only: skills must never reach evaluation")
-        runner = BatchedRunner(self._envs(split, len(tasks)), num_threads=self.num_threads)
+        # a rank can hold no tasks (a shard of a list shorter than the world): it builds no environments
+        # and still runs the turn loop below, taking part in the other ranks' forwards
+        runner = BatchedRunner(self._envs(split, len(tasks)), num_threads=self.num_threads) if tasks else None
         episodes = [_Episode(spec=t) for t in tasks]
         t0 = time.perf_counter()
-        results = runner.reset([t.seed for t in tasks], [{"task_index": t.task_index} for t in tasks])
+        results = runner.reset([t.seed for t in tasks], [{"task_index": t.task_index} for t in tasks]) if runner else []
         self.stats.env_seconds += time.perf_counter() - t0
         for ep, res in zip(episodes, results):
             self._start(ep, res, with_teacher)
@@ -201,6 +203,7 @@ class Collector:
                 if parsed[i] is not None:
                     actions[i] = parsed[i]
             t0 = time.perf_counter()
+            assert runner is not None  # active episodes exist only with tasks
             stepped = runner.step(actions)
             self.stats.env_seconds += time.perf_counter() - t0
             for i, s_ids, t_ids, gen in zip(active, student, teacher, gens):

@@ -37,14 +37,15 @@ def _algorithm(path: Path):
     return dataclasses.replace(algo, kl_coef=0.01, entropy_coef=0.001)
 
 
-def _module(policy, algorithm, rank: int, fault_rate: float = 0.0, max_turns: int = 5, optim: dict | None = None) -> AgentRLModule:
+def _module(policy, algorithm, rank: int, fault_rate: float = 0.0, max_turns: int = 5, optim: dict | None = None,
+            eval_tasks: int = 3) -> AgentRLModule:
     model, tokenizer = policy
     module = AgentRLModule(
         copy.deepcopy(model), tokenizer, algorithm=algorithm,
         env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=max_turns, output_format="action", fault_rate=fault_rate),
         rollout=RolloutConfig(max_new_tokens=5),
         optim=OptimConfig(**{"lr": 1e-3, "ppo_epochs": 2, "num_mini_batches": 2, "micro_batch_size": 2, **(optim or {})}),
-        evaluation=EvalConfig(num_tasks=3, sampled_copies=1),
+        evaluation=EvalConfig(num_tasks=eval_tasks, sampled_copies=1),
         num_iterations=2, seed=rank,
     )
     module._sharded = True  # take the sharded paths (whole-model forwards, padded scoring) as under FSDP
@@ -67,14 +68,16 @@ def _tasks(rank: int) -> TaskBatch:
     return TaskBatch(0, tasks)
 
 
-def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True, optim: dict | None = None) -> SimulatedWorld:
+def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True, optim: dict | None = None,
+              eval_tasks: int = 3) -> SimulatedWorld:
     world = SimulatedWorld(2, timeout=30)
     errors: dict[int, str] = {}
 
     def rank(r: int) -> None:
         try:
             with world.rank(r):
-                module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r], optim=optim)
+                module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r], optim=optim,
+                                 eval_tasks=eval_tasks)
                 torch.manual_seed(r)
                 batch = module.rollout(_tasks(r))
                 module.algorithm.assign(batch, 0)
@@ -114,6 +117,15 @@ def test_one_rank_done_first_and_one_rank_without_rows(tiny_walk_policy):
     algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo_opsd"))
     _same(run_ranks(tiny_walk_policy, algo, max_turns=(5, 1), evaluate=False))
     _same(run_ranks(tiny_walk_policy, algo, fault_rank=0, evaluate=False))
+
+
+def test_fewer_evaluation_tasks_than_ranks(tiny_walk_policy):
+    """One evaluation task over two ranks: rank 1's shard is empty, and it still takes part in rank 0's
+    turns (greedy and sampled) and in the gathering of outcomes; both ranks report the same metrics."""
+    algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo"))
+    world = run_ranks(tiny_walk_policy, algo, eval_tasks=1)
+    _same(world)
+    assert ("gather", "evaluation/outcomes") in world.logs[1]
 
 
 def test_token_budget_micro_batches_keep_ranks_in_step(tiny_walk_policy):
