@@ -134,7 +134,13 @@ def test_paper_experiment_rehearsal(family, qwen_folder, tmp_path):
         assert float(row["rollout/turns"]) <= cfg.env.max_turns
         assert float(row["loss/first_ratio_dev"]) < 0.1  # on-policy up to bf16 rounding of the forward
         assert float(row["perf/teacher_tokens_per_s"]) > 0  # the skill-augmented teacher view (and the KL reference) scored
-    assert any(r.get("eval/success") for r in rows)
+    # the end evaluation: the one task of the list played once over both ranks (a shard each, one empty),
+    # to an outcome, without faults
+    evaluated = [r for r in rows if r.get("eval/episodes")]
+    assert evaluated, "no evaluation row"
+    for row in evaluated:
+        assert float(row["eval/episodes"]) == 1.0 and float(row["eval/faults"]) == 0.0
+        assert 0.0 <= float(row["eval/success"]) <= 1.0 and 1.0 <= float(row["eval/turns"]) <= cfg.env.max_turns
 
 
 @pytest.mark.parametrize("family", ["alfworld", "webshop", "searchqa"])
