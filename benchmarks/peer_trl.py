@@ -1,8 +1,11 @@
 """This project's trainer beside TRL's ``GRPOTrainer`` on the same work, in one run.
 
     bash scripts/build_trl_env.sh       # once: TRL in .venv-trl, with this project and .venv's transformers
-    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-trl/bin/python benchmarks/peer_trl.py
+    OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-trl/bin/python benchmarks/peer_trl.py --out results/peer_trl.md
     .venv-trl/bin/python benchmarks/peer_trl.py --check-setup   # only: do both sides get the same work?
+
+``--out`` writes the measured tables (with the command, commit, versions and the machine's load) as a
+markdown file: the results document is the script's output, never typed by hand.
 
 **Single turn** (both trainers run it as it is): one decision of a BabyAI PickupObj task. The prompt
 is the task's first turn rendered by the project's PromptBuilder (the same chat messages, templated by
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -489,6 +494,49 @@ def line(name: str, p: Phases, rows: int) -> str:
             f"({p.tokens / rows:.1f} per completion; generation alone {p.tokens / max(p.generation, 1e-9):.1f}/s)")
 
 
+def phase_row(name: str, p: Phases, rows: int, ratio: str) -> str:
+    """One markdown row: seconds per iteration by phase, generated tokens/s, and the side-by-side ratio."""
+    return (f"| {name} | {p.wall:.3f} | {p.generation:.3f} | {p.scoring:.3f} | {p.update:.3f} | "
+            f"{p.tokens / p.wall:,.0f} | {p.tokens / rows:.1f} | {ratio} |")
+
+
+def results_markdown(command: str, header: str, single: tuple[Phases, Phases], multi: tuple[Phases, Phases] | None,
+                     rows: int, multi_turns: int) -> str:
+    """The results document: what ran, where, and both lines' tables, from the measured phases alone."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        if git("status", "--porcelain", "--untracked-files=no", "--", "agentopsd", "benchmarks"):
+            commit += " with uncommitted changes to agentopsd/ or benchmarks/"
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    head = ["| side | s/iteration | generation | scoring | update | generated tokens/s | tokens per completion | this / TRL |",
+            "|---|---|---|---|---|---|---|---|"]
+    ours, theirs = single
+    lines = [
+        "# This trainer against TRL's GRPOTrainer (written by `benchmarks/peer_trl.py`)", "",
+        f"Command: `{command}`  ", f"Commit: `{commit}`; {header}  ",
+        f"Load average (1/5/15 min) when the run ended: {load}; {os.cpu_count()} CPUs, one thread per side.", "",
+        "Single turn (one BabyAI decision), seconds per iteration:", "", *head,
+        phase_row("agentopsd", ours, rows, f"**{theirs.wall / ours.wall:.2f}x**"),
+        phase_row("TRL GRPO", theirs, rows, ""), "",
+        f"By phase, TRL / this: generation {theirs.generation / max(ours.generation, 1e-9):.2f}x, "
+        f"scoring {theirs.scoring / max(ours.scoring, 1e-9):.2f}x, update {theirs.update / max(ours.update, 1e-9):.2f}x.",
+    ]
+    if multi is not None:
+        ours, theirs = multi
+        per_token = (theirs.wall / max(theirs.tokens, 1)) / (ours.wall / max(ours.tokens, 1))
+        lines += ["", f"Multi turn (whole {EPISODE_ID} episodes, at most {multi_turns} turns; TRL through its "
+                      f"`rollout_func`), seconds per iteration:", "", *head,
+                  phase_row("agentopsd", ours, rows, f"**{theirs.wall / ours.wall:.2f}x** ({per_token:.2f}x per generated token)"),
+                  phase_row("TRL GRPO", theirs, rows, "")]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -497,6 +545,7 @@ def main() -> None:
     parser.add_argument("--multi-turn-turns", type=int, default=6, help="turn limit of the multi-turn line (0 = off)")
     parser.add_argument("--multi-turn-rounds", type=int, default=2, help="rounds of the multi-turn line (slow on the TRL side)")
     parser.add_argument("--check-setup", action="store_true", help="only check that both sides get the same work, then exit")
+    parser.add_argument("--out", default=None, help="also write the tables as a markdown file (e.g. results/peer_trl.md)")
     args = parser.parse_args()
     try:
         import trl
@@ -512,10 +561,12 @@ def main() -> None:
         problems = setup_problems(setup, *tiny_policy(EPISODE_ID, skills="babyai", **setup.model))
         print("\n".join(problems) if problems else "SAME WORK: prompts, order and settings agree")
         raise SystemExit(1 if problems else 0)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
-          f"{setup.tasks_per_iteration} tasks x {setup.group_size} completions, {setup.max_new_tokens} new tokens, "
-          f"micro-batch {setup.micro_batch_size}, best of {args.rounds} alternating rounds of {setup.iterations} iterations")
+    header = (f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}; "
+              f"{setup.tasks_per_iteration} tasks x {setup.group_size} completions, {setup.max_new_tokens} new tokens, "
+              f"micro-batch {setup.micro_batch_size}, best of {args.rounds} alternating rounds of {setup.iterations} iterations")
+    print(header)
     ours, theirs = compare(setup, args.rounds)
+    single, multi = (ours, theirs), None
     print("single turn (one BabyAI decision):")
     print(line("agentopsd", ours, setup.rows))
     print(line("TRL GRPO", theirs, setup.rows))
@@ -529,6 +580,12 @@ def main() -> None:
         print(line("TRL GRPO", theirs, setup.rows))
         print(f"  iteration throughput agentopsd / TRL: {theirs.wall / ours.wall:.2f}x; per generated token: "
               f"{(theirs.wall / max(theirs.tokens, 1)) / (ours.wall / max(ours.tokens, 1)):.2f}x")
+        multi = (ours, theirs)
+    if args.out:
+        command = "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE .venv-trl/bin/python benchmarks/peer_trl.py " + " ".join(sys.argv[1:])
+        with open(args.out, "w") as f:
+            f.write(results_markdown(command.strip(), header, single, multi, setup.rows, args.multi_turn_turns))
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

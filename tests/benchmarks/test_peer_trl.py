@@ -90,3 +90,18 @@ def test_trl_gets_the_same_prompts_order_and_settings():
     out = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, out
     assert "SAME WORK" in proc.stdout, out
+
+
+def test_the_results_document_is_computed_from_the_measured_phases(peer):
+    """The markdown ``--out`` writes: each side's row and the ratios come from the phases given
+    (hand-computed here: TRL 1.2 s against 0.4 s is 3.00x; per generated token (1.2/300)/(0.4/600) = 6.00x)."""
+    ours = peer.Phases(wall=0.4, generation=0.1, update=0.2, tokens=600)
+    theirs = peer.Phases(wall=1.2, generation=0.5, update=0.6, tokens=300)
+    text = peer.results_markdown("cmd --x", "versions", (ours, theirs), (ours, theirs), rows=64, multi_turns=6)
+    assert "Command: `cmd --x`" in text and "versions" in text
+    assert "| agentopsd | 0.400 | 0.100 | 0.100 | 0.200 | 1,500 | 9.4 | **3.00x** |" in text
+    assert "| TRL GRPO | 1.200 | 0.500 | 0.100 | 0.600 | 250 | 4.7 |  |" in text
+    assert "generation 5.00x, scoring 1.00x, update 3.00x" in text
+    assert "**3.00x** (6.00x per generated token)" in text
+    single_only = peer.results_markdown("cmd", "v", (ours, theirs), None, rows=64, multi_turns=0)
+    assert "Multi turn" not in single_only and single_only.count("**3.00x**") == 1
