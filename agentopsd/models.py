@@ -167,9 +167,7 @@ def load_policy(
         kwargs["attn_implementation"] = attn_implementation
     tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
     if meta_on_other_ranks and local_rank() != 0:
-        config = transformers.AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+        model = build_on_meta(resolved, trust_remote_code=trust_remote_code, **kwargs)
         log.info("local rank %d: policy %s built on the meta device (its weights come from rank 0 after sharding)", local_rank(), path)
     else:
         model = AutoModelForCausalLM.from_pretrained(resolved, trust_remote_code=trust_remote_code, **kwargs)
@@ -180,6 +178,39 @@ def load_policy(
         model = apply_lora(model, lora)
     log.info("loaded policy %s (%s) with %d parameters", path, resolved, sum(p.numel() for p in model.parameters()))
     return model, tokenizer
+
+
+def _checkpoint_dtype(config: transformers.PretrainedConfig, resolved: str) -> torch.dtype:
+    """The dtype ``from_pretrained(dtype="auto")`` picks from config.json (from_config takes no "auto")."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)  # renamed in 4.56
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"model.dtype=auto with model.meta_on_other_ranks=true: {resolved}/config.json names no "
+                         "dtype for the ranks built on the meta device; set model.dtype explicitly")
+    return value
+
+
+def build_on_meta(resolved: str, *, trust_remote_code: bool = False, **kwargs: Any) -> PreTrainedModel:
+    """The model ``from_pretrained(resolved, **kwargs)`` makes, without its weights: parameters and
+    buffers on the meta device (no memory), to be filled after sharding
+    (:func:`agentopsd.strategies.fill_from_rank0`).
+
+    The rest must match rank 0's ``from_pretrained`` model, since every rank generates with its own:
+    the folder's generation config (its eos ids end rollouts, its sampling defaults), eval mode, and
+    the checkpoint's dtype for ``dtype=auto`` (the broadcast would silently cast into another dtype).
+    """
+    config = transformers.AutoConfig.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    kwargs = {k: _checkpoint_dtype(config, resolved) if k in ("dtype", "torch_dtype") and v == "auto" else v
+              for k, v in kwargs.items()}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+    if model.can_generate():
+        try:
+            model.generation_config = transformers.GenerationConfig.from_pretrained(resolved)
+        except OSError:  # no generation_config.json: from_pretrained keeps the one from config.json too
+            pass
+    return model.eval()
 
 
 def build_tiny_policy(

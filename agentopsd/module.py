@@ -57,6 +57,13 @@ def _metric_rule(key: str) -> str:
     return "mean"
 
 
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """The KL reference: a frozen copy of the policy as built. A policy built on the meta device
+    (``model.meta_on_other_ranks``) gives a meta copy (no memory); :func:`agentopsd.strategies.prepare_policy`
+    then fills it from rank 0's policy weights."""
+    return copy.deepcopy(model).requires_grad_(False).eval()
+
+
 class AgentRLModule(L.LightningModule):
     """GRPO-family RL of a causal LM agent in a Gymnasium text environment."""
 
@@ -125,7 +132,7 @@ class AgentRLModule(L.LightningModule):
         # A frozen copy of the initial policy, only when the KL penalty is on (it doubles memory). Not a
         # registered submodule: it is not part of the state dict, so no checkpoint carries it; a resumed
         # run rebuilds it from the weights the module is built from (model.path, or the warm start).
-        ref = copy.deepcopy(model).requires_grad_(False).eval() if algorithm.kl_coef > 0 else None
+        ref = frozen_copy(model) if algorithm.kl_coef > 0 else None
         object.__setattr__(self, "ref_model", ref)
         self._collector: Collector | None = None
         self._sharded = False

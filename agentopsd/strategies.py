@@ -60,22 +60,52 @@ def needs_float32_master(precision: str) -> bool:
     return precision not in ("bf16-true", "16-true", "bf16", "16", "half")
 
 
-def fill_from_rank0(model: nn.Module, full_state: dict[str, Tensor], device: str | torch.device) -> None:
-    """Give a ``fully_shard``-ed model rank 0's weights: every rank calls it; rank 0 passes its full
-    state dict (other ranks' entries are ignored), a rank whose model was built on the meta device
-    first allocates its shards (``to_empty``). The weights travel one tensor at a time
-    (``set_model_state_dict(..., broadcast_from_rank0=True)``); buffers outside the state dict
-    (rotary ``inv_freq``) are broadcast too, since ``to_empty`` leaves them uninitialised."""
-    import torch.distributed as dist
+def rank0_weights(model: nn.Module) -> dict[str, Tensor]:
+    """What rank 0 broadcasts, taken before sharding: its state dict plus the buffers the state dict
+    leaves out (non-persistent ones, e.g. rotary ``inv_freq``), which ``set_model_state_dict`` skips
+    and ``to_empty`` allocates without writing. The values are the model's own tensors, not copies."""
+    full = dict(model.state_dict())
+    for name, buf in model.named_buffers():
+        full.setdefault(name, buf)
+    return full
+
+
+def fill_from_rank0(model: nn.Module, full: dict[str, Tensor], device: str | torch.device) -> None:
+    """Give a ``fully_shard``-ed model rank 0's weights. Every rank calls it; rank 0 passes
+    :func:`rank0_weights` of the unsharded model (other ranks' ``full`` is ignored). A model with
+    meta tensors first gets this rank's shards and buffers allocated (``to_empty``: FSDP2's recipe
+    for a model sharded on meta; tied parameters stay tied). Parameters and persistent buffers
+    then travel one tensor at a time, each rank keeping its shard
+    (``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``), and the
+    non-persistent buffers are broadcast whole."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         model.to_empty(device=device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    saved = set(model.state_dict())
-    for name, buf in model.named_buffers():
-        if name not in saved:
-            dist.broadcast(buf.to_local() if hasattr(buf, "to_local") else buf, src=0)  # a replicated DTensor: its local tensor
+    in_state_dict = set(model.state_dict())
+    # A new dict: set_model_state_dict puts this rank's shards into the dict it is given, and rank 0
+    # passes the same full weights again for the reference model.
+    state = {k: v for k, v in full.items() if k in in_state_dict}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+    set_model_state_dict(model, state, options=options)
+    _broadcast_unsaved_buffers(model, full, in_state_dict)
+
+
+@torch.no_grad()
+def _broadcast_unsaved_buffers(model: nn.Module, full: dict[str, Tensor], in_state_dict: set[str]) -> None:
+    """Rank 0's values (from ``full``) of the buffers outside the state dict, to every rank. FSDP2
+    leaves buffers plain (replicated) tensors, so a plain broadcast fills them; named_buffers' order
+    is the same on every rank."""
+    import torch.distributed as dist
+
+    buffers = [(name, buf) for name, buf in model.named_buffers() if name not in in_state_dict]
+    is_rank0 = dist.get_rank() == 0
+    if is_rank0 and (missing := [name for name, _ in buffers if name not in full]):
+        raise ValueError(f"rank 0's weights lack the buffers {missing}: pass rank0_weights(model), not its state dict")
+    for name, buf in buffers:
+        if is_rank0:
+            buf.copy_(full[name])  # the policy's, also for the reference: the same values on rank 0
+        dist.broadcast(buf, src=0)
 
 
 def upcast_half_params(model: nn.Module) -> bool:
@@ -116,9 +146,10 @@ def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str
     if from_rank0:
         if on_meta and rank_and_world()[0] == 0:
             raise RuntimeError("global rank 0 built the policy on the meta device: it must hold the weights it broadcasts")
-        full_state = {} if on_meta else dict(model.state_dict())
-        if ref_model is not None:
-            ref_model.to("meta")  # its copy of the initial weights is refilled from rank 0's broadcast
+        # The reference is a frozen copy of this very policy (agentopsd.module.frozen_copy): the same weights
+        # fill it. Rank 0 shards its own copy as it is: ``to("meta")`` would untie its tied weights
+        # (one new parameter per module), and its peak, two full copies, came with the copy anyway.
+        full_state = {} if on_meta else rank0_weights(model)
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
         fully_shard(layer, **kwargs)

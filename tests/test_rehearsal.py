@@ -126,6 +126,7 @@ def test_paper_experiment_rehearsal(family, qwen_folder, tmp_path):
     # what the rehearsal keeps from the experiment
     assert cfg.trainer.strategy._target_.endswith("FSDP2Strategy") and cfg.trainer.precision == "bf16-mixed"
     assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing
+    assert cfg.model.meta_on_other_ranks  # rank 1 builds on the meta device, filled from rank 0 after sharding
     assert cfg.rollout.max_new_tokens == 512 and cfg.algorithm.kl_coef > 0
     rows = _rehearse(sys.executable, experiment, qwen_folder, tmp_path / family, [*short, "trainer.devices=2", "rollout.backend=hf"])
     trained = _iteration_rows(rows)
