@@ -49,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_rollout_backend(cfg)
     _check_evaluation_size(cfg)
     _check_precision(cfg)
+    _check_meta_build(cfg)
     if cfg.model.get("path"):
         from agentopsd.models import resolve_model_path
 
@@ -114,6 +115,21 @@ def _check_evaluation_size(cfg: DictConfig) -> None:
 HALF_TRUE = ("bf16-true", "16-true")
 SMALLEST_BF16_LR = 1e-4
 """Below this an Adam step (about lr per weight) is under bf16's resolution for typical weights."""
+
+
+def _check_meta_build(cfg: DictConfig) -> None:
+    """``model.meta_on_other_ranks``: only FSDP2's sharding fills a meta-built policy from rank 0's weights,
+    and a warm start trains or loads the policy before sharding, which a rank holding no weights cannot do."""
+    if not cfg.model.get("meta_on_other_ranks"):
+        return
+    strategy = cfg.trainer.get("strategy")
+    target = str(strategy.get("_target_", "")) if isinstance(strategy, DictConfig) else str(strategy or "")
+    if not target.endswith("FSDP2Strategy"):
+        raise ConfigError("model.meta_on_other_ranks=true needs trainer=fsdp (FSDP2 fills the other ranks' meta-built "
+                          "policy from rank 0's weights); set model.meta_on_other_ranks=false for this trainer")
+    if cfg.get("warm_start"):
+        raise ConfigError("model.meta_on_other_ranks=true cannot warm-start the policy (the other ranks hold no weights "
+                          "until sharding); set warm_start=null, or model.meta_on_other_ranks=false")
 
 
 def _check_precision(cfg: DictConfig) -> None:

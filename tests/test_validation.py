@@ -106,3 +106,13 @@ def test_a_config_value_cannot_run_code(tmp_path):
     )
     assert not marker.exists()
     assert proc.returncode != 0 and "eval" in (proc.stderr + proc.stdout)
+
+
+def test_meta_build_needs_fsdp_and_no_warm_start():
+    """Only FSDP2's sharding fills a meta-built policy; a warm start needs the weights on every rank."""
+    with pytest.raises(ConfigError, match="needs trainer=fsdp"):
+        validate_config(_resolve(cfg_for("experiment=babyai_tiny", "trainer=ddp", "+model.meta_on_other_ranks=true")))
+    with pytest.raises(ConfigError, match="cannot warm-start"):
+        validate_config(_resolve(cfg_for("experiment=quickstart", "trainer=fsdp", "+model.meta_on_other_ranks=true")))
+    validate_config(_resolve(cfg_for("experiment=babyai_tiny", "trainer=fsdp", "+model.meta_on_other_ranks=true")))
+    validate_config(_resolve(cfg_for("experiment=webshop_3b", "rollout=hf", "model.path=null")))  # the paper setups: on, valid
