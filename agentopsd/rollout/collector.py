@@ -261,19 +261,18 @@ class Collector:
         # all ended keeps taking part in the others' forwards until they end too (the rank invariant)
         for turn in itertools.count():
             playing = turn < self.max_turns
-            known = [i for w, members in enumerate(waves) if in_flight[w] is None for i in members]
-            if not playing or all(episodes[i].done for i in known):
-                # nothing certain to play on: whether this rank does rests on the steps still running, so wait
-                # for them (an episode they end must not cost every rank one more, empty, turn)
+            if playing:
+                here = self._plays_on(episodes, waves, in_flight)
+            else:
                 self._settle_all(in_flight, episodes)
-            here = playing and any(not ep.done for ep in episodes)
+                here = False
             stop = bool(self.stop_requested is not None and self.stop_requested())
             # one collective per turn answers both questions: max(2 * stop + active) over ranks
             code = all_max(2 * stop + here, "rollout/turn") if synced else 2 * stop + here
             if code >= 2:
                 raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
             if not code:
-                return  # nothing is in flight: this rank had nothing to play, so _settle_all ran above
+                return  # nothing is in flight: this rank had nothing to play, which it learnt by settling every wave
             for w, members in enumerate(waves):
                 if in_flight[w] is not None:  # this wave's last steps: its prompts need them now
                     self._settle(in_flight[w], episodes)
@@ -329,6 +328,23 @@ class Collector:
             self.stats.env_seconds += wave.pending.seconds
         for i, s_ids, t_ids, gen in zip(wave.active, wave.student, wave.teacher, wave.gens):
             self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i))
+
+    def _plays_on(self, episodes: list[_Episode], waves: list[list[int]], in_flight: list[_Wave | None]) -> bool:
+        """Does an episode of this rank play another turn? Settled waves answer at once when one of theirs is
+        still running; otherwise the waves still stepping are settled, oldest first (the likeliest to be done),
+        until one shows such an episode. Never a guess: an episode those steps end must not cost every rank
+        one more, empty, turn (an empty call still runs a placeholder generation under lockstep)."""
+
+        def known() -> bool:
+            return any(not episodes[i].done for w, members in enumerate(waves) if in_flight[w] is None for i in members)
+
+        for w, wave in enumerate(in_flight):
+            if known():
+                return True
+            if wave is not None:
+                self._settle(wave, episodes)
+                in_flight[w] = None
+        return known()
 
     def _settle_all(self, in_flight: list[_Wave | None], episodes: list[_Episode]) -> None:
         for w, wave in enumerate(in_flight):

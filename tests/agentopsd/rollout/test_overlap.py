@@ -202,16 +202,17 @@ def test_steps_run_while_the_next_wave_generates(tiny_walk_policy):
 
 
 def test_env_time_hidden_behind_generation_is_measured(tiny_walk_policy, monkeypatch):
-    """env_wait_seconds: all of env_seconds serially, a part when the waves overlap (sleeping envs and
-    generator: 8 envs of 30 ms on 8 threads against 30 ms calls)."""
+    """env_wait_seconds: all of env_seconds serially, little of it when the waves overlap (sleeping envs and
+    generator: 8 envs of 20 ms on 8 threads against 40 ms calls, so each wave's steps end within the other's
+    call, also at the top of a turn: the pipeline runs across turns)."""
     _, tok = tiny_walk_policy
-    monkeypatch.setattr(PacedWalk, "pause", 0.03)
+    monkeypatch.setattr(PacedWalk, "pause", 0.02)
     tasks = _tasks(PACED_ID, [0, 1, 2, 3], copies=2)
-    _, serial = _play(tok, 1, tasks, num_threads=8, generator=PromptGenerator(0.03), max_turns=4)
-    _, overlapped = _play(tok, 2, tasks, num_threads=8, generator=PromptGenerator(0.03), max_turns=4)
+    _, serial = _play(tok, 1, tasks, num_threads=8, generator=PromptGenerator(0.04), max_turns=4)
+    _, overlapped = _play(tok, 2, tasks, num_threads=8, generator=PromptGenerator(0.04), max_turns=4)
     s, o = serial.stats, overlapped.stats
     assert s.env_wait_seconds >= 0.9 * s.env_seconds > 0
-    assert o.env_wait_seconds < 0.6 * o.env_seconds
+    assert o.env_wait_seconds < 0.3 * o.env_seconds
 
 
 def test_a_stop_or_a_generator_error_leaves_no_env_stepping(tiny_walk_policy, monkeypatch):
