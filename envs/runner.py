@@ -241,11 +241,15 @@ class PendingStep:
         """Have all these envs returned (``result`` would not wait)?"""
         return all(f.done() for f in self._futures)
 
+    def wait(self) -> None:
+        """Block until every env returned (``result`` then only records; a caller timing its wait times this)."""
+        wait(self._futures)
+
     def abandon(self) -> None:
         """Wait until every env returned and drop the results: for a caller on its way out on an exception,
         which must not leave an env stepping behind its back. Uncollected, these episodes count as ended
         (reset to play them again)."""
-        wait(self._futures)
+        self.wait()
         if self._results is None:
             self.runner._in_flight.difference_update(self.indices)
             for i in self.indices:

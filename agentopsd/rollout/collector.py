@@ -323,8 +323,9 @@ class Collector:
         stepped = {}
         if wave.pending is not None:
             t0 = time.perf_counter()
-            stepped = wave.pending.result()
+            wave.pending.wait()  # the wait alone: recording the results below is the collector's own work
             self.stats.env_wait_seconds += time.perf_counter() - t0
+            stepped = wave.pending.result()
             self.stats.env_seconds += wave.pending.seconds
         for i, s_ids, t_ids, gen in zip(wave.active, wave.student, wave.teacher, wave.gens):
             self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i))
