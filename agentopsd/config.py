@@ -64,10 +64,22 @@ class RolloutConfig:
     """Engine arguments of the vLLM backend."""
     malformed_rate: float = 0.0
     """Replace this share of generations with garbage text (reliability tests only)."""
+    overlap_waves: int = 1
+    """Split each turn's episodes into this many waves, one generate call each, so that a wave's environment
+    steps run in ``env.num_threads``'s thread pool while the next wave generates (pipelined across turns).
+    Same turns as serial for the same generations; only timing differs. 1 = off (one call per turn); serial
+    anyway when env.num_threads < 2 or the env sets ``thread_safe_step = False`` (ALFWorld)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
             raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {self.backend!r}")
+        check_overlap_waves(self.overlap_waves)
+
+
+def check_overlap_waves(waves: object) -> None:
+    """A count of generate calls per turn: an int >= 1 (a bool is refused: ``true`` would read as 1, i.e. off)."""
+    if isinstance(waves, bool) or not isinstance(waves, int) or waves < 1:
+        raise ValueError(f"rollout.overlap_waves must be an integer >= 1 (1 = off, 2 = two waves), got {waves!r}")
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,7 @@ class AgentRLModule(L.LightningModule):
                 num_threads=self.env_cfg.num_threads,
                 env_wrappers=wrappers,
                 stop_requested=lambda: self.stop_request.requested,
+                overlap_waves=self.rollout_cfg.overlap_waves,
             )
         return self._collector
 
@@ -338,6 +339,7 @@ class AgentRLModule(L.LightningModule):
             "rollout/trajectories": float(len(trajectories)),
             "perf/rollout_tokens_per_s": s.generated_tokens / max(s.generate_seconds, 1e-9),
             "perf/env_seconds": s.env_seconds,
+            "perf/env_wait_seconds": s.env_wait_seconds,  # the env time no generation ran beside (all of it when serial)
             "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
             "rollout/skill_trimmed": float(collector.prompts.stats.get("skill_trimmed", 0)),
         }

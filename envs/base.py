@@ -48,7 +48,11 @@ class TextEnv(Protocol):
       logged trajectory can be replayed from its task index and labelled turn by turn (the run report's
       ground-truth panel is drawn only for such envs; optional, default False);
     - ``lift_step_limit(extra_steps)``: reopen an episode the env's own step limit closed (optional: the expert
-      label runs the expert past the episode's budget on a copy).
+      label runs the expert past the episode's budget on a copy);
+    - ``thread_safe_step``: False when ``step`` must not run on a worker thread while other instances step or the
+      trainer generates (it touches interpreter-wide state); :class:`agentopsd.envs.runner.BatchedRunner` then steps
+      inline whatever ``env.num_threads`` says, and ``rollout.overlap_waves`` falls back to serial turns (optional,
+      default True: instances share nothing).
     """
 
     num_tasks: int
@@ -71,6 +75,12 @@ def env_class(env_id: str) -> type:
         return entry if isinstance(entry, type) else type(entry)
     module, _, name = str(entry).partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def steps_thread_safe(env: object) -> bool:
+    """May ``env`` (an instance, wrapped or not, or a class) step on a worker thread (``TextEnv.thread_safe_step``)?"""
+    raw = env if isinstance(env, type) else getattr(env, "unwrapped", env)  # on a class, ``unwrapped`` is a property object
+    return bool(getattr(raw, "thread_safe_step", True))
 
 
 def has_state_snapshot(env_id: str) -> bool:

@@ -112,6 +112,8 @@ def test_plus_experiment_spelling_is_accepted():
         ("optim.num_mini_batches=1000", "optim.num_mini_batches"),
         ("num_iterations=0", "num_iterations"),
         ("trainer.devices=2 data.tasks_per_batch=3", "data.tasks_per_batch"),
+        ("rollout.overlap_waves=0", "rollout.overlap_waves"),
+        ("rollout.overlap_waves=true", "rollout.overlap_waves"),
     ],
 )
 def test_bad_values_fail_fast(override, field):

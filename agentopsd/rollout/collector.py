@@ -6,15 +6,17 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import gymnasium as gym
 
+from agentopsd.config import check_overlap_waves
 from agentopsd.distributed import all_max, is_distributed
-from agentopsd.envs.runner import BatchedRunner
+from agentopsd.envs.base import env_class, steps_thread_safe
+from agentopsd.envs.runner import BatchedRunner, PendingStep
 from agentopsd.preemption import RolloutStopped
 from agentopsd.prompts import HistoryEntry, PromptBuilder, PromptViews, assert_no_skills, parse_action
-from agentopsd.rollout.base import Generator, SamplingConfig
+from agentopsd.rollout.base import Generation, Generator, SamplingConfig
 from agentopsd.skills import SkillBank
 from agentopsd.types import TaskSpec, Trajectory, Turn
 
@@ -24,6 +26,10 @@ REWARDS = ("success", "score")
 """The outcome reward R behind A_seq: the success bit (the paper's) or the environment's graded score."""
 FORMAT_ERROR_PREFIX = "Your output did not follow the format."
 """How the observation after a format-error turn begins: such a turn does not step the env."""
+WAVE_SEED_STRIDE = 1_000_003
+"""Seeded sampling, wave ``w``: seed + w * this. Copies of a task in two waves show the same first prompt; one
+seed for every call would hand them the same random draws (vLLM seeds prompt i with seed + i, transformers
+seeds the call)."""
 
 
 def format_error_note(prompts: PromptBuilder) -> str:
@@ -82,11 +88,63 @@ class CollectorStats:
     invalid_actions: int = 0
     faults: int = 0
     generate_seconds: float = 0.0
+    """Wall time inside the generator's calls."""
     env_seconds: float = 0.0
+    """The environments' own wall time: resets, and each turn's (or wave's) steps from submission to the last
+    env's return, summed. Under ``overlap_waves`` part of it runs beside generation."""
+    env_wait_seconds: float = 0.0
+    """Wall time the collector spent waiting on environments, generating nothing: all of ``env_seconds`` when
+    serial; what the overlap did not hide when ``overlap_waves`` > 1 (``env_seconds - env_wait_seconds``
+    ran beside generation)."""
+
+
+@dataclass
+class _Wave:
+    """One wave's turn from its generate call until its env steps are recorded."""
+
+    active: list[int]
+    student: list
+    teacher: list
+    gens: list[Generation]
+    parsed: dict[int, str | None]
+    pending: PendingStep | None = None
+    """Its env steps, once submitted (an empty submission when every output was a format error)."""
+
+
+def split_waves(n: int, waves: int) -> list[list[int]]:
+    """Episode indices of each wave, fixed for a whole collect: a wave's next prompts need its own steps'
+    results, so an episode cannot change wave while its step runs. Interleaved (i, i + waves, ...) because
+    the G copies of a task sit side by side: each wave gets copies of every task, and the waves' episode
+    lengths stay alike (a wave whose episodes all ended leaves nothing to overlap with)."""
+    return [list(range(w, n, waves)) for w in range(waves)]
+
+
+def wave_sampling(sampling: SamplingConfig, wave: int) -> SamplingConfig:
+    """Wave ``wave``'s sampling: a seeded one moved by WAVE_SEED_STRIDE per wave, anything else unchanged."""
+    if sampling.seed is None or wave == 0:
+        return sampling
+    return replace(sampling, seed=sampling.seed + wave * WAVE_SEED_STRIDE)
+
+
+def effective_waves(requested: int, env_id: str, num_threads: int) -> tuple[int, str]:
+    """How many generate calls a turn makes, and why it is 1 when more were asked for ('' when not).
+
+    A function of settings alone, never of this rank's tasks: every rank must make the same calls (the rank
+    invariant, agentopsd.distributed), also a rank with one env (no pool) or none (an empty shard).
+    """
+    if requested == 1:
+        return 1, ""
+    if num_threads < 2:
+        return 1, (f"rollout.overlap_waves={requested} needs env.num_threads >= 2 (a wave's env steps run in that "
+                   f"thread pool while the next wave generates), got {num_threads}: turns run serially")
+    if not steps_thread_safe(env_class(env_id)):
+        return 1, (f"rollout.overlap_waves={requested}: {env_id} sets thread_safe_step = False (its steps must not run "
+                   "beside other threads): turns run serially")
+    return requested, ""
 
 
 class Collector:
-    """Runs episodes for a list of task copies with one generator call per turn."""
+    """Runs episodes for a list of task copies with one generator call per turn (or per wave)."""
 
     def __init__(
         self,
@@ -103,9 +161,11 @@ class Collector:
         num_threads: int = 0,
         env_wrappers: Sequence = (),
         stop_requested: Callable[[], bool] | None = None,
+        overlap_waves: int = 1,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {max_turns}")
+        check_overlap_waves(overlap_waves)
         if reward not in REWARDS:
             raise ValueError(f"env.reward must be one of {REWARDS}, got {reward!r}")
         self.env_id = env_id
@@ -121,6 +181,10 @@ class Collector:
         self.env_wrappers = tuple(env_wrappers)
         self.stop_requested = stop_requested
         """Checked before every turn: when it holds on any rank, ``collect`` raises RolloutStopped."""
+        self.waves, why_serial = effective_waves(overlap_waves, env_id, num_threads)
+        """Generate calls per turn (``rollout.overlap_waves`` when the env and env.num_threads allow it, else 1)."""
+        if why_serial:
+            log.warning(why_serial)
         self._pools: dict[str, list[gym.Env]] = {}
         self.stats = CollectorStats()
         self._skill_lines = self._all_skill_lines(skill_bank)
@@ -167,52 +231,127 @@ class Collector:
         t0 = time.perf_counter()
         results = runner.reset([t.seed for t in tasks], [{"task_index": t.task_index} for t in tasks]) if runner else []
         self.stats.env_seconds += time.perf_counter() - t0
+        self.stats.env_wait_seconds = self.stats.env_seconds  # resets come before any generation: nothing hides them
         for ep, res in zip(episodes, results):
             self._start(ep, res, with_teacher)
-        synced = is_distributed()
-        # the loop ends when every rank agrees it is over (not after a local count): a rank whose episodes
-        # all ended keeps taking part in the others' forwards until they end too (the rank invariant)
-        for turn in itertools.count():
-            active = [i for i, ep in enumerate(episodes) if not ep.done] if turn < self.max_turns else []
-            stop = bool(self.stop_requested is not None and self.stop_requested())
-            # one collective per turn answers both questions: max(2 * stop + active) over ranks
-            code = all_max(2 * stop + bool(active), "rollout/turn") if synced else 2 * stop + bool(active)
-            if code >= 2:
-                raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
-            if not code:
-                break
-            if not active:
-                # other ranks still play: an empty call takes part in their forwards (the rank invariant)
-                self.generator.generate([], sampling)
-                continue
-            # both views of a turn from one call: same history window, same trimming, the skill block alone differs
-            views = [self._views(episodes[i], with_teacher) for i in active]
-            student = [v.student for v in views]
-            if evaluating and self._skill_lines:
-                for ids in student:
-                    assert_no_skills(self.prompts.tokenizer.decode(ids), self._skill_lines)
-            teacher = [v.teacher for v in views]
-            t0 = time.perf_counter()
-            gens = self.generator.generate(student, sampling)
-            self.stats.generate_seconds += time.perf_counter() - t0
-            actions: dict[int, str] = {}
-            parsed: dict[int, str | None] = {}
-            for i, gen in zip(active, gens):
-                parsed[i] = parse_action(gen.text, self.prompts.output_format)
-                self.stats.generated_tokens += len(gen.token_ids)
-                if parsed[i] is not None:
-                    actions[i] = parsed[i]
-            t0 = time.perf_counter()
-            assert runner is not None  # active episodes exist only with tasks
-            stepped = runner.step(actions)
-            self.stats.env_seconds += time.perf_counter() - t0
-            for i, s_ids, t_ids, gen in zip(active, student, teacher, gens):
-                self._record(episodes[i], s_ids, t_ids, gen, parsed[i], stepped.get(i))
+        waves = split_waves(len(episodes), self.waves)
+        in_flight: list[_Wave | None] = [None] * len(waves)
+        try:
+            self._turns(episodes, waves, in_flight, runner, with_teacher, evaluating, sampling)
+        except BaseException:
+            # the next collect resets these envs: none may still be stepping in the pool when this one leaves
+            for wave in in_flight:
+                if wave is not None and wave.pending is not None:
+                    wave.pending.abandon()
+            raise
         for ep in episodes:
             if not ep.done:
                 ep.truncated = True
         self.stats.faults = sum(ep.fault is not None for ep in episodes)
         return [self._finish(ep) for ep in episodes]
+
+    def _turns(self, episodes: list[_Episode], waves: list[list[int]], in_flight: list[_Wave | None],
+               runner: BatchedRunner | None, with_teacher: bool, evaluating: bool, sampling: SamplingConfig) -> None:
+        """The turn loop: per turn one agreement, then one generate call per wave, each wave's env steps
+        submitted to the runner. Serial (one wave) they are recorded at once; overlapped, a wave's steps run
+        while the next wave generates and are recorded just before that wave's next prompts need them, so at
+        the top of a turn the last wave(s) of the turn before may still be stepping."""
+        synced = is_distributed()
+        # the loop ends when every rank agrees it is over (not after a local count): a rank whose episodes
+        # all ended keeps taking part in the others' forwards until they end too (the rank invariant)
+        for turn in itertools.count():
+            playing = turn < self.max_turns
+            if playing:
+                here = self._plays_on(episodes, waves, in_flight)
+            else:
+                self._settle_all(in_flight, episodes)
+                here = False
+            stop = bool(self.stop_requested is not None and self.stop_requested())
+            # one collective per turn answers both questions: max(2 * stop + active) over ranks
+            code = all_max(2 * stop + here, "rollout/turn") if synced else 2 * stop + here
+            if code >= 2:
+                raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
+            if not code:
+                return  # nothing is in flight: this rank had nothing to play, which it learnt by settling every wave
+            for w, members in enumerate(waves):
+                if in_flight[w] is not None:  # this wave's last steps: its prompts need them now
+                    self._settle(in_flight[w], episodes)
+                    in_flight[w] = None
+                active = [i for i in members if not episodes[i].done] if playing else []
+                wave = self._generate_wave(active, episodes, with_teacher, evaluating, wave_sampling(sampling, w))
+                if wave is None:
+                    continue
+                assert runner is not None  # active episodes exist only with tasks
+                self._submit(wave, runner)
+                if self.waves == 1:
+                    self._settle(wave, episodes)  # serial: nothing to overlap with
+                else:
+                    in_flight[w] = wave
+
+    def _generate_wave(self, active: list[int], episodes: list[_Episode], with_teacher: bool, evaluating: bool,
+                       sampling: SamplingConfig) -> _Wave | None:
+        """One generate call for the ``active`` episodes' prompts (None when there are none)."""
+        if not active:
+            # other ranks may be generating this wave: an empty call takes part in their forwards (the rank invariant)
+            self.generator.generate([], sampling)
+            return None
+        # both views of a turn from one call: same history window, same trimming, the skill block alone differs
+        views = [self._views(episodes[i], with_teacher) for i in active]
+        student = [v.student for v in views]
+        if evaluating and self._skill_lines:
+            for ids in student:
+                assert_no_skills(self.prompts.tokenizer.decode(ids), self._skill_lines)
+        teacher = [v.teacher for v in views]
+        t0 = time.perf_counter()
+        gens = self.generator.generate(student, sampling)
+        self.stats.generate_seconds += time.perf_counter() - t0
+        parsed: dict[int, str | None] = {}
+        for i, gen in zip(active, gens):
+            parsed[i] = parse_action(gen.text, self.prompts.output_format)
+            self.stats.generated_tokens += len(gen.token_ids)
+        return _Wave(active, student, teacher, gens, parsed)
+
+    def _submit(self, wave: _Wave, runner: BatchedRunner) -> None:
+        """Hand the wave's parsed actions to the runner (format errors do not step the env)."""
+        actions = {i: a for i, a in wave.parsed.items() if a is not None}
+        t0 = time.perf_counter()
+        wave.pending = runner.submit(actions)
+        self.stats.env_wait_seconds += time.perf_counter() - t0  # an inline runner steps right here
+
+    def _settle(self, wave: _Wave, episodes: list[_Episode]) -> None:
+        """Wait for the wave's env steps and record its turns."""
+        stepped = {}
+        if wave.pending is not None:
+            t0 = time.perf_counter()
+            wave.pending.wait()  # the wait alone: recording the results below is the collector's own work
+            self.stats.env_wait_seconds += time.perf_counter() - t0
+            stepped = wave.pending.result()
+            self.stats.env_seconds += wave.pending.seconds
+        for i, s_ids, t_ids, gen in zip(wave.active, wave.student, wave.teacher, wave.gens):
+            self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i))
+
+    def _plays_on(self, episodes: list[_Episode], waves: list[list[int]], in_flight: list[_Wave | None]) -> bool:
+        """Does an episode of this rank play another turn? Settled waves answer at once when one of theirs is
+        still running; otherwise the waves still stepping are settled, oldest first (the likeliest to be done),
+        until one shows such an episode. Never a guess: an episode those steps end must not cost every rank
+        one more, empty, turn (an empty call still runs a placeholder generation under lockstep)."""
+
+        def known() -> bool:
+            return any(not episodes[i].done for w, members in enumerate(waves) if in_flight[w] is None for i in members)
+
+        for w, wave in enumerate(in_flight):
+            if known():
+                return True
+            if wave is not None:
+                self._settle(wave, episodes)
+                in_flight[w] = None
+        return known()
+
+    def _settle_all(self, in_flight: list[_Wave | None], episodes: list[_Episode]) -> None:
+        for w, wave in enumerate(in_flight):
+            if wave is not None:
+                self._settle(wave, episodes)
+                in_flight[w] = None
 
     def _start(self, ep: _Episode, res, with_teacher: bool) -> None:
         if res.error is not None:

@@ -213,6 +213,12 @@ class ALFWorldEnv(gym.Env[str, str]):
             "gamefile": str(self._loaded),
         }
 
+    thread_safe_step = False
+    """Not on worker threads: every reset and step runs the engine inside ``private_random``, which swaps the
+    interpreter-wide ``random`` state for the expert's own stream; two threads doing so at once trade streams
+    (the expert's plans stop being a function of the task) and leave another stream behind as the process's
+    (see ``agentopsd.envs.base.TextEnv``)."""
+
     state_snapshot = False
     """``copy.deepcopy`` is exact but replays the episode's commands on a fresh engine (slow): the study scripts
     use it, the run report's ground-truth panel does not (see ``agentopsd.envs.base.TextEnv``)."""

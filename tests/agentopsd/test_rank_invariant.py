@@ -38,12 +38,13 @@ def _algorithm(path: Path):
 
 
 def _module(policy, algorithm, rank: int, fault_rate: float = 0.0, max_turns: int = 5, optim: dict | None = None,
-            eval_tasks: int = 3) -> AgentRLModule:
+            eval_tasks: int = 3, rollout: dict | None = None, num_threads: int = 0) -> AgentRLModule:
     model, tokenizer = policy
     module = AgentRLModule(
         copy.deepcopy(model), tokenizer, algorithm=algorithm,
-        env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=max_turns, output_format="action", fault_rate=fault_rate),
-        rollout=RolloutConfig(max_new_tokens=5),
+        env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=max_turns, output_format="action", fault_rate=fault_rate,
+                      num_threads=num_threads),
+        rollout=RolloutConfig(**{"max_new_tokens": 5, **(rollout or {})}),
         optim=OptimConfig(**{"lr": 1e-3, "ppo_epochs": 2, "num_mini_batches": 2, "micro_batch_size": 2, **(optim or {})}),
         evaluation=EvalConfig(num_tasks=eval_tasks, sampled_copies=1),
         num_iterations=2, seed=rank,
@@ -69,7 +70,7 @@ def _tasks(rank: int) -> TaskBatch:
 
 
 def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True, optim: dict | None = None,
-              eval_tasks: int = 3) -> SimulatedWorld:
+              eval_tasks: int = 3, rollout: dict | None = None, num_threads: int = 0) -> SimulatedWorld:
     world = SimulatedWorld(2, timeout=30)
     errors: dict[int, str] = {}
 
@@ -77,7 +78,7 @@ def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5,
         try:
             with world.rank(r):
                 module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r], optim=optim,
-                                 eval_tasks=eval_tasks)
+                                 eval_tasks=eval_tasks, rollout=rollout, num_threads=num_threads)
                 torch.manual_seed(r)
                 batch = module.rollout(_tasks(r))
                 module.algorithm.assign(batch, 0)
@@ -126,6 +127,44 @@ def test_fewer_evaluation_tasks_than_ranks(tiny_walk_policy):
     world = run_ranks(tiny_walk_policy, algo, eval_tasks=1)
     _same(world)
     assert ("gather", "evaluation/outcomes") in world.logs[1]
+
+
+def test_overlapped_waves_keep_ranks_in_step(tiny_walk_policy, monkeypatch):
+    """rollout.overlap_waves=4 with env steps in a thread pool: every rank makes 4 generate calls per turn
+    whatever its episodes. Rank 0's 6 episodes make waves of 2, 2, 1, 1; rank 1's 3 make 1, 1, 1 and an empty
+    one. Rank 1 is done after one turn while rank 0 plays five; in the evaluation rank 1 holds no task at all;
+    then every episode of rank 0 faults at reset (all its waves empty from the start)."""
+    from agentopsd.rollout.hf import HFGenerator
+
+    real, inside = HFGenerator.generate, threading.local()
+
+    def counted(self, prompts, sampling):
+        if getattr(inside, "call", False):  # an empty call's placeholder generate: part of the same call
+            return real(self, prompts, sampling)
+        record(("generate", "empty" if not prompts else "rows"))  # the collector's call, not the collectives inside
+        inside.call = True
+        try:
+            return real(self, prompts, sampling)
+        finally:
+            inside.call = False
+
+    def same_calls(world: SimulatedWorld, collects: int) -> list[tuple]:
+        calls = [[e for e in log if e[0] == "generate"] for log in world.logs]
+        # an empty call forwards too (a placeholder row): the calls match in number, not in content
+        assert len(calls[0]) == len(calls[1])
+        world.logs = [[e for e in log if e[0] != "generate"] for log in world.logs]
+        _same(world)
+        turns = world.logs[0].count(("agree", "rollout/turn"))
+        assert len(calls[0]) == 4 * (turns - collects)  # four per played turn; each collect's last agreement ends it
+        return calls[1]
+
+    monkeypatch.setattr(HFGenerator, "generate", counted)
+    algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo_opsd"))
+    overlap = {"overlap_waves": 4}
+    world = run_ranks(tiny_walk_policy, algo, max_turns=(5, 1), eval_tasks=1, rollout=overlap, num_threads=2)
+    assert ("generate", "empty") in same_calls(world, collects=3)  # the rollout, the greedy and the sampled evaluation
+    world = run_ranks(tiny_walk_policy, algo, fault_rank=0, evaluate=False, rollout=overlap, num_threads=2)
+    same_calls(world, collects=1)
 
 
 def test_token_budget_micro_batches_keep_ranks_in_step(tiny_walk_policy):

@@ -6,7 +6,7 @@ import gymnasium as gym
 import pytest
 
 import agentopsd.envs  # noqa: F401  (registers the ids)
-from agentopsd.envs.base import TextEnv, check_contract, env_class, has_state_snapshot
+from agentopsd.envs.base import TextEnv, check_contract, env_class, has_state_snapshot, steps_thread_safe
 
 IDS = sorted(k for k in gym.registry if k.startswith("agentopsd/"))
 
@@ -28,6 +28,14 @@ def test_the_ground_truth_panel_is_offered_by_the_env_class_not_its_name():
     assert not has_state_snapshot("agentopsd/WebShop-v0")  # no snapshot: the report draws no panel
     assert not has_state_snapshot("agentopsd/ALFWorld-v0")  # exact but slow (replays its commands): the report skips it
     assert env_class("agentopsd/SearchQA-v0").__name__ == "SearchQAEnv"
+
+
+def test_alfworld_opts_out_of_worker_threads():
+    """ALFWorld swaps the process's ``random`` state around every engine call: it steps on the caller's thread
+    (env.num_threads and rollout.overlap_waves fall back to serial); the other families step on worker threads."""
+    assert not steps_thread_safe(env_class("agentopsd/ALFWorld-v0"))
+    for env_id in ("agentopsd/BabyAI-PickupObj-v0", "agentopsd/WebShop-v0", "agentopsd/SearchQA-v0"):
+        assert steps_thread_safe(env_class(env_id))
 
 
 def test_a_broken_env_is_named():

@@ -224,3 +224,77 @@ def test_fault_wrapper_is_reproducible_and_leaves_state_alone() -> None:
     assert env.unwrapped._obs == obs  # the wrapped env never saw the action
     with pytest.raises(ValueError, match="p_step"):
         FaultInjectionWrapper(env, p_step=1.5)
+
+
+class _Gate(gym.Env):
+    """Steps block until the test opens the gate: a submitted step is seen running while the caller goes on."""
+
+    observation_space = base.observation_space()
+    action_space = base.action_space()
+
+    def __init__(self, gate: threading.Event, fail_on: str = "") -> None:
+        self.gate, self.fail_on, self.steps = gate, fail_on, 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        super().reset(seed=seed)
+        return "start", {"task": "gate"}
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if not self.gate.wait(10):
+            raise TimeoutError("the gate never opened")
+        self.steps += 1
+        if action == self.fail_on:
+            raise RuntimeError("broken step")
+        return f"stepped {action}", 1.0, action == "stop", False, {"task": "gate"}
+
+
+def test_submit_returns_before_the_steps_and_result_matches_step() -> None:
+    gate = threading.Event()
+    runner = BatchedRunner([_Gate(gate, fail_on="crash") for _ in range(3)], num_threads=3)
+    runner.reset([None] * 3, [None] * 3)
+    pending = runner.submit({0: "go", 1: "stop", 2: "crash"})
+    assert not pending.done()  # the caller is free while the envs wait: the point of submit
+    with pytest.raises(ValueError, match="still stepping"):
+        runner.step({0: "go"})
+    with pytest.raises(ValueError, match="still stepping"):
+        runner.reset([None] * 3, [None] * 3)
+    gate.set()
+    out = pending.result()
+    assert pending.result() is out and pending.seconds > 0  # collected once
+    assert (out[0].observation, out[1].terminated, out[2].error) == ("stepped go", True, "RuntimeError: broken step")
+    assert runner.active == [True, False, False] and [f.env_index for f in runner.faults] == [2]
+    assert runner.step({0: "go"})[0].observation == "stepped go"  # collected: env 0 steps again
+    runner.close()
+
+
+def test_an_inline_runner_submits_by_stepping_at_once() -> None:
+    runner = BatchedRunner(_babyai(2), num_threads=0)
+    runner.reset([None, None], [{"task_index": 0}, {"task_index": 1}])
+    pending = runner.submit({0: "turn left", 1: "turn right"})
+    assert pending.done() and set(pending.result()) == {0, 1}
+    assert runner.submit({}).result() == {}
+
+
+def test_an_abandoned_step_leaves_no_env_running() -> None:
+    gate = threading.Event()
+    envs = [_Gate(gate) for _ in range(2)]
+    runner = BatchedRunner(envs, num_threads=2)
+    runner.reset([None] * 2, [None] * 2)
+    pending = runner.submit({0: "go", 1: "go"})
+    threading.Timer(0.05, gate.set).start()
+    pending.abandon()  # returns only once both steps did
+    assert [e.steps for e in envs] == [1, 1] and runner.active == [False, False]
+    runner.reset([None] * 2, [None] * 2)  # reset to play them again
+    assert runner.active == [True, True]
+    runner.close()
+
+
+def test_an_env_that_is_not_thread_safe_steps_inline(caplog: pytest.LogCaptureFixture) -> None:
+    class Unsafe(BabyAIEnv):
+        thread_safe_step = False
+
+    with caplog.at_level(logging.WARNING, logger="agentopsd.envs.runner"):
+        runner = BatchedRunner([Unsafe("GoToLocal", split="eval", compute_expert_steps=False) for _ in range(3)], num_threads=4)
+    assert runner.inline and not runner.thread_safe and "Unsafe sets thread_safe_step = False" in caplog.text
+    assert not BatchedRunner(_babyai(3), num_threads=4).inline
+    assert not base.steps_thread_safe(Unsafe) and base.steps_thread_safe(BabyAIEnv)
