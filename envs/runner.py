@@ -158,11 +158,15 @@ class BatchedRunner:
         self._in_flight.update(indices)
         return PendingStep(self, indices, futures, started)
 
-    def close(self) -> None:
-        """Shut the thread pool down and close every environment (errors are logged)."""
+    def release(self) -> None:
+        """Shut the thread pool down and leave the environments open (their owner reuses them)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def close(self) -> None:
+        """Shut the thread pool down and close every environment (errors are logged)."""
+        self.release()
         for i, env in enumerate(self.envs):
             try:
                 env.close()

@@ -244,6 +244,9 @@ class Collector:
                 if wave is not None and wave.pending is not None:
                     wave.pending.abandon()
             raise
+        finally:
+            if runner is not None:  # its threads end with the collect; the envs stay pooled for the next one
+                runner.release()
         for ep in episodes:
             if not ep.done:
                 ep.truncated = True

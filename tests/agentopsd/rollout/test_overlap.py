@@ -267,3 +267,18 @@ def test_bad_wave_counts_are_refused_in_one_line(tiny_walk_policy, bad):
         with pytest.raises(ValueError) as err:
             build()
         assert str(err.value).startswith("rollout.overlap_waves must be an integer >= 1") and "\n" not in str(err.value)
+
+
+def test_a_collect_leaves_no_env_threads_behind(tiny_walk_policy):
+    """Each collect's runner shuts its thread pool down on the way out (its envs stay pooled): a run of
+    hundreds of iterations must not pile up idle worker threads."""
+    _, tok = tiny_walk_policy
+    before = {t.ident for t in threading.enumerate() if t.name.startswith("env")}
+    collector = _collector(tok, 2)
+    try:
+        for _ in range(3):
+            assert collector.collect(_tasks(PACED_ID, [1, 2], copies=2), with_teacher=False)
+        assert not {t.ident for t in threading.enumerate() if t.name.startswith("env")} - before
+        assert collector._pools["train"]  # the envs themselves are kept for the next collect
+    finally:
+        collector.close()
