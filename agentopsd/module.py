@@ -24,12 +24,12 @@ import torch
 from torch import Tensor, nn
 
 from agentopsd import distributed
-from agentopsd.algorithms import Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.credit.algorithms import Algorithm
+from agentopsd.credit.losses import aggregate, clipped_policy_loss, truncated_is_weights
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import is_distributed, rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
-from agentopsd.losses import aggregate, clipped_policy_loss, truncated_is_weights
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig

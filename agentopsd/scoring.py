@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from agentopsd.credit.losses import token_entropy, token_logprobs
 from agentopsd.distributed import padded
-from agentopsd.losses import token_entropy, token_logprobs
 from agentopsd.types import RolloutBatch
 
 MIN_SHARED_PREFIX = 16

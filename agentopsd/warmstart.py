@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import webdataset as wds
 
-from agentopsd.losses import token_logprobs
+from agentopsd.credit.losses import token_logprobs
 from agentopsd.prompts import HistoryEntry, PromptBuilder
 from agentopsd.skills import SkillBank
 

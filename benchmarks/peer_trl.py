@@ -208,8 +208,8 @@ def steady(runs: list[list[Phases]]) -> Phases:
 
 def project_module(setup: PeerSetup, model, tokenizer, *, multi_turn: int = 0):
     """The project's LightningModule for the shared setup (GRPO, one optimizer step per iteration)."""
-    from agentopsd.algorithms import Algorithm
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+    from agentopsd.credit.algorithms import Algorithm
     from agentopsd.module import AgentRLModule
 
     module = AgentRLModule(

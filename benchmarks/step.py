@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 import agentopsd.envs  # noqa: F401
-from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.credit.algorithms import AgentOPSD, Algorithm
 from agentopsd.data import collate_trajectories, sample_tasks
 from agentopsd.module import AgentRLModule
 from agentopsd.rollout import hf

@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from agentopsd.algorithms import Algorithm
+from agentopsd.credit.algorithms import Algorithm
 from agentopsd.distributed import reduce_metrics
 
 

@@ -19,8 +19,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
-from agentopsd.algorithms import Algorithm  # noqa: E402
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig  # noqa: E402
+from agentopsd.credit.algorithms import Algorithm  # noqa: E402
 from agentopsd.data import TaskDataModule  # noqa: E402
 from agentopsd.distributed import rank_and_world  # noqa: E402
 from agentopsd.module import AgentRLModule  # noqa: E402

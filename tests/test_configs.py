@@ -8,8 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from agentopsd.algorithms import Algorithm
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.credit.algorithms import Algorithm
 from agentopsd.runs import SWAPPABLE, check_group_swaps, pinned_keys, register_resolvers
 from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
 

@@ -67,8 +67,8 @@ if KEY_ID not in gym.registry:
 
 @pytest.mark.slow
 def test_decisive_turn_gets_the_credit(tmp_path):
-    from agentopsd.algorithms import AgentOPSD
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+    from agentopsd.credit.algorithms import AgentOPSD
     from agentopsd.data import TaskBatch, sample_tasks
     from agentopsd.module import AgentRLModule
     from agentopsd.tiny import tiny_policy

@@ -40,8 +40,8 @@ import gymnasium as gym
 import torch
 from torch import Tensor
 
-from agentopsd.algorithms import AgentOPSD, _get, _opt, _set, _write_turns, turn_view
 from agentopsd.credit import mix_advantages
+from agentopsd.credit.algorithms import AgentOPSD, _get, _opt, _set, _write_turns, turn_view
 from agentopsd.study.groundtruth import (
     LoggedTrajectory,
     LoggedTurn,

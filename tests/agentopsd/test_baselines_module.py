@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from agentopsd.algorithms import RLSD, SDAR, GiGPO, SkillSD
+from agentopsd.credit.algorithms import RLSD, SDAR, GiGPO, SkillSD
 from tests.agentopsd.test_module import RatioRecorder, _task_batch, fit, make_module
 
 

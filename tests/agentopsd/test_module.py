@@ -6,9 +6,9 @@ import lightning as L
 import pytest
 import torch
 
-from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.credit.algorithms import AgentOPSD, Algorithm
 from agentopsd.data import TaskDataModule, sample_tasks
 from agentopsd.module import AgentRLModule
 from tests.conftest import TOY_ID, WALK_SKILLS
@@ -89,7 +89,7 @@ def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_po
     """No-grad scoring is one call over all rows (not one per micro-batch of 4), shares their
     prefixes, and gives the plain per-micro-batch forward's log-probs however it is split."""
     import agentopsd.scoring as scoring_mod
-    from agentopsd.losses import token_logprobs
+    from agentopsd.credit.losses import token_logprobs
 
     module = make_module(tiny_walk_policy)  # micro_batch_size 4
     module.trainer = None

@@ -6,8 +6,8 @@ import gymnasium as gym
 import pytest
 import torch
 
-from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.config import EnvConfig
+from agentopsd.credit.algorithms import AgentOPSD, Algorithm
 from agentopsd.data import collate_trajectories
 from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import Generation, SamplingConfig

@@ -90,7 +90,7 @@ def test_action_scores_are_the_reply_log_probabilities(keydoor_policy) -> None:
     """One batched pass equals scoring each reply alone (padding must not leak into a shorter reply)."""
     import torch
 
-    from agentopsd.losses import token_logprobs
+    from agentopsd.credit.losses import token_logprobs
     from agentopsd.warmstart import _reply, action_scores
 
     model, tok = keydoor_policy

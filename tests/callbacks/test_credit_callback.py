@@ -6,9 +6,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from agentopsd.algorithms import RLSD, AgentOPSD, Algorithm, GiGPO
 from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.credit import group_success_rate, reshape_advantages, rlsd_token_advantages, turn_evidence
+from agentopsd.credit.algorithms import RLSD, AgentOPSD, Algorithm, GiGPO
 
 
 def foreign_batch(seed: int) -> dict[str, torch.Tensor]:

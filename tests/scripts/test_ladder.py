@@ -272,7 +272,7 @@ def test_the_ceiling_studys_cells_select_the_oracle_and_the_wide_lever(ladder) -
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from agentopsd.algorithms import AgentOPSD
+    from agentopsd.credit.algorithms import AgentOPSD
     from agentopsd.study.oracle import OracleOPSD
 
     assert ladder.method_overrides("gigpo") == ["algorithm=gigpo"]

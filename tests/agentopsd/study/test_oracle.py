@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import agentopsd.envs  # noqa: F401  (registers the ids)
-from agentopsd.algorithms import AgentOPSD, Algorithm
 from agentopsd.credit import grpo_advantages
+from agentopsd.credit.algorithms import AgentOPSD, Algorithm
 from agentopsd.study.groundtruth import advance, start
 from agentopsd.study.oracle import OracleOPSD, expert_turn_gains, matched_scale, oracle_env
 from agentopsd.types import TaskSpec, Trajectory, Turn

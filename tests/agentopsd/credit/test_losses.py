@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from agentopsd.losses import (
+from agentopsd.credit.losses import (
     aggregate,
     clipped_policy_loss,
     distillation_loss,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from agentopsd.credit import (
+from agentopsd.credit.advantages import (
     MODES,
     anchor_state_groups,
     apply_turn_penalties,
@@ -44,7 +44,7 @@ from agentopsd.credit import (
     turn_multipliers,
     unpack_turns,
 )
-from agentopsd.losses import AGGREGATIONS, distillation_loss, sdar_loss, skill_sd_loss
+from agentopsd.credit.losses import AGGREGATIONS, distillation_loss, sdar_loss, skill_sd_loss
 
 FIELDS_READ = (
     "teacher_logprobs and student_logprobs with either action_mask, turn_traj, turn_index (one row per turn) "

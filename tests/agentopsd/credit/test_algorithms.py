@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import agentopsd.algorithms as algorithms
-import agentopsd.credit as credit
-from agentopsd.algorithms import GRPOOPSD, RLSD, SDAR, AgentOPSD, Algorithm, GiGPO, SkillSD, StepOPSD
+import agentopsd.credit.advantages as credit
+import agentopsd.credit.algorithms as algorithms
 from agentopsd.credit import (
     MODES,
     group_success_rate,
@@ -19,7 +18,8 @@ from agentopsd.credit import (
     rlsd_token_advantages,
     stepopsd_multipliers,
 )
-from agentopsd.losses import sdar_loss, skill_sd_loss
+from agentopsd.credit.algorithms import GRPOOPSD, RLSD, SDAR, AgentOPSD, Algorithm, GiGPO, SkillSD, StepOPSD
+from agentopsd.credit.losses import sdar_loss, skill_sd_loss
 
 
 def row_batch() -> dict[str, torch.Tensor]:
@@ -86,7 +86,7 @@ def evidence_and_mask(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
     return gaps, mask
 
 
-CONF_ALGORITHMS = Path(__file__).resolve().parents[2] / "conf" / "algorithm"
+CONF_ALGORITHMS = Path(__file__).resolve().parents[3] / "conf" / "algorithm"
 
 
 def _configured() -> list[Algorithm]:
