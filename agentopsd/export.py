@@ -266,7 +266,7 @@ def prompt_settings(cfg) -> dict[str, Any]:
 
     env = OmegaConf.to_container(cfg.env, resolve=True)
     rollout = OmegaConf.to_container(cfg.rollout, resolve=True)
-    from agentopsd.prompts import FORMATS
+    from agentopsd.rollout.prompts import FORMATS
 
     return {
         "env_id": env.get("id"),

@@ -31,11 +31,11 @@ from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import is_distributed, rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
-from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.scoring import Scorer, sharing_order
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.prompts import PromptBuilder
+from agentopsd.rollout.scoring import Scorer, sharing_order
+from agentopsd.rollout.skills import SkillBank
 from agentopsd.strategies import prepare_policy
 from agentopsd.types import RolloutBatch, TaskSpec
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import gymnasium as gym
 
-from agentopsd.prompts import FORMATS, HistoryEntry, PromptBuilder
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.prompts import FORMATS, HistoryEntry, PromptBuilder
+from agentopsd.rollout.skills import SkillBank
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ import torch
 import webdataset as wds
 
 from agentopsd.credit.losses import token_logprobs
-from agentopsd.prompts import HistoryEntry, PromptBuilder
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.prompts import HistoryEntry, PromptBuilder
+from agentopsd.rollout.skills import SkillBank
 
 log = logging.getLogger(__name__)
 

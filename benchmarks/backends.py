@@ -51,7 +51,7 @@ def first_turn_prompts(tokenizer, n: int) -> list[list[int]]:
     """First-turn prompts of ``n`` training tasks through the quickstart's prompt view."""
     import gymnasium as gym
 
-    from agentopsd.prompts import PromptBuilder
+    from agentopsd.rollout.prompts import PromptBuilder
 
     builder = PromptBuilder(tokenizer, history_window=0, show_admissible=False, system_prompt="Act in the grid world.")
     env = gym.make(ENV_ID, split="train", disable_env_checker=True)

@@ -41,10 +41,10 @@ from pathlib import Path
 import gymnasium as gym
 
 from agentopsd.envs.base import action_space, observation_space
-from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.prompts import PromptBuilder
+from agentopsd.rollout.skills import SkillBank
 from agentopsd.types import TaskSpec
 
 ROOT = Path(__file__).resolve().parents[1]

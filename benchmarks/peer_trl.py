@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:
 import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* ids)
 from agentopsd.data import sample_tasks  # noqa: E402
 from agentopsd.envs.babyai.env import BabyAIEnv  # noqa: E402
-from agentopsd.prompts import PromptBuilder, parse_action  # noqa: E402
+from agentopsd.rollout.prompts import PromptBuilder, parse_action  # noqa: E402
 
 LEVEL = "PickupObj"
 EPISODE_ID = f"agentopsd/BabyAI-{LEVEL}-v0"

@@ -16,7 +16,7 @@ import random
 import time
 from pathlib import Path
 
-from agentopsd.prompts import HistoryEntry, PromptBuilder
+from agentopsd.rollout.prompts import HistoryEntry, PromptBuilder
 
 OBJECTS = ["cabinet", "drawer", "countertop", "mug", "apple", "sinkbasin", "fridge", "desk", "shelf", "pen", "bowl", "toaster"]
 VERBS = ["go to", "take", "open", "close", "examine", "put", "clean", "heat", "cool", "use"]

@@ -152,7 +152,7 @@ def label_run(cfg: dict, trajs: list[LoggedTrajectory], run: Path | None = None,
     """Per trajectory: the expert gain and label of every turn, the turn's kind (``turn_kind``) and the
     environment state it acted on (``anchor_states``). With ``run``, the expert's paths (the costly part)
     are kept in ``run/groundtruth/`` (``EXPERT_CACHE``) and read back."""
-    from agentopsd.skills import SkillBank
+    from agentopsd.rollout.skills import SkillBank
 
     max_turns = int(cfg["env"]["max_turns"])
     env = run_env(cfg)
@@ -205,9 +205,9 @@ def warm_start_policy(run: Path, cfg: dict, seed: int, iteration: int = 1):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from agentopsd.prompts import PromptBuilder
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
+    from agentopsd.rollout.prompts import PromptBuilder
 
     weights = sampling_weights(run, iteration)
     full = OmegaConf.load(run / ".hydra" / "config.yaml")

@@ -60,7 +60,7 @@ def env_prompts(env_id: str, tokenizer: Any, n: int) -> tuple[Any, list[list[int
     """First-turn prompts of ``n`` train tasks, through the project's PromptBuilder."""
     import gymnasium as gym
 
-    from agentopsd.prompts import PromptBuilder
+    from agentopsd.rollout.prompts import PromptBuilder
 
     builder = PromptBuilder(tokenizer=tokenizer)
     env = gym.make(env_id, split="train", disable_env_checker=True)

@@ -138,7 +138,7 @@ def test_the_wheel_installs_and_trains_from_any_folder(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"agentopsd"}, top  # no top-level envs/ or callbacks/
     for shipped in ("agentopsd/envs/babyai/env.py", "agentopsd/callbacks/credit.py", "agentopsd/conf/config.yaml",
-                    "agentopsd/conf/experiment/babyai_tiny.yaml", "agentopsd/skills/babyai.json", "agentopsd/train.py"):
+                    "agentopsd/conf/experiment/babyai_tiny.yaml", "agentopsd/rollout/skills/babyai.json", "agentopsd/train.py"):
         assert shipped in names, shipped
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "agentopsd-train = agentopsd.train:cli" in entry_points

@@ -80,8 +80,8 @@ def test_whole_model_call_runs_the_head_at_action_positions_only(form, monkeypat
     same positions picked by a pre-hook on the head (``hook``: versions before the boolean-mask form), or everywhere."""
     import transformers
 
-    import agentopsd.scoring as module
-    from agentopsd.scoring import _logits_to_keep_form, whole_model_action_logits
+    import agentopsd.rollout.scoring as module
+    from agentopsd.rollout.scoring import _logits_to_keep_form, whole_model_action_logits
 
     config = transformers.Qwen2Config(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=64)

@@ -15,9 +15,9 @@ from agentopsd.distributed import all_max, is_distributed
 from agentopsd.envs.base import env_class, steps_thread_safe
 from agentopsd.envs.runner import BatchedRunner, PendingStep
 from agentopsd.preemption import RolloutStopped
-from agentopsd.prompts import HistoryEntry, PromptBuilder, PromptViews, assert_no_skills, parse_action
 from agentopsd.rollout.base import Generation, Generator, SamplingConfig
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.prompts import HistoryEntry, PromptBuilder, PromptViews, assert_no_skills, parse_action
+from agentopsd.rollout.skills import SkillBank
 from agentopsd.types import TaskSpec, Trajectory, Turn
 
 log = logging.getLogger(__name__)

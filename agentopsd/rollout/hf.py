@@ -24,7 +24,7 @@ from torch import nn
 
 from agentopsd import distributed
 from agentopsd.rollout.base import Generation, SamplingConfig
-from agentopsd.scoring import (
+from agentopsd.rollout.scoring import (
     MIN_SHARED_PREFIX,
     cache_kwarg,
     decoder_and_head,

@@ -28,9 +28,9 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from agentopsd.prompts import HistoryEntry, PromptBuilder, parse_action
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.rollout.collector import FORMAT_ERROR_PREFIX, apply_step, format_error_note, history_entry
+from agentopsd.rollout.prompts import HistoryEntry, PromptBuilder, parse_action
 
 FATAL_GAIN = 100.0
 """expert_gain of a fatal turn: below any real path change (BabyAI levels are far shorter)."""

@@ -134,7 +134,7 @@ def save_qwen_shaped(folder: Path, *, tied: bool, vocab_size: int | None = None,
     a generation config with Qwen2.5-Instruct's two eos ids and sampling defaults."""
     import transformers
 
-    from tests.agentopsd.test_prompts import _qwen_tokenizer
+    from tests.agentopsd.rollout.test_prompts import _qwen_tokenizer
 
     tokenizer = _qwen_tokenizer()
     vocab_size = vocab_size or 96

@@ -88,7 +88,7 @@ def test_teacher_view_without_skills_equals_student(tiny_walk_policy):
 def test_scoring_takes_rows_by_tokens_and_matches_the_plain_forward(tiny_walk_policy, monkeypatch):
     """No-grad scoring is one call over all rows (not one per micro-batch of 4), shares their
     prefixes, and gives the plain per-micro-batch forward's log-probs however it is split."""
-    import agentopsd.scoring as scoring_mod
+    import agentopsd.rollout.scoring as scoring_mod
     from agentopsd.credit.losses import token_logprobs
 
     module = make_module(tiny_walk_policy)  # micro_batch_size 4
@@ -124,7 +124,7 @@ def test_update_with_shared_prefixes_equals_the_plain_update(tiny_walk_policy, m
     (Compared before the step: Adam's first step is lr * sign(g), which turns rounding noise in
     near-zero gradients into lr-sized differences.)"""
     import agentopsd.module as module_mod
-    import agentopsd.scoring as scoring_mod
+    import agentopsd.rollout.scoring as scoring_mod
 
     module = make_module(tiny_walk_policy, algorithm=Algorithm(), ppo_epochs=1, num_mini_batches=1, micro_batch_size=2)
     module.trainer = None
@@ -207,7 +207,7 @@ def test_an_update_moves_an_action_the_way_of_its_advantage(tiny_walk_policy, si
 
 
 def test_token_budget_groups_order_rows_by_length_within_the_budget():
-    from agentopsd.scoring import token_budget_groups
+    from agentopsd.rollout.scoring import token_budget_groups
 
     lengths = [5, 9, 3, 9, 4, 20, 6]
     groups = token_budget_groups(lengths, 18)

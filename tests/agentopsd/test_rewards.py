@@ -9,9 +9,9 @@ import torch
 from agentopsd.config import EnvConfig
 from agentopsd.credit.algorithms import AgentOPSD, Algorithm
 from agentopsd.data import collate_trajectories
-from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector
+from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.types import TaskSpec
 from tests.conftest import TOY_ID, WalkEnv
 

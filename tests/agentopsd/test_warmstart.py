@@ -81,7 +81,7 @@ def keydoor_policy(tmp_path_factory):
 
 
 def _builder(tok):
-    from agentopsd.prompts import PromptBuilder
+    from agentopsd.rollout.prompts import PromptBuilder
 
     return PromptBuilder(tok, output_format="action", history_window=0, max_prompt_tokens=1024, show_admissible=False, system_prompt="Act.")
 
@@ -108,7 +108,7 @@ def test_student_visits_label_the_students_own_informed_turns(keydoor_policy) ->
     """The untrained student wanders (at a high temperature: untrained, it all but always says its shortest
     reply); every returned turn shows a skill, carries the expert's action for that state, and the student's
     sampled action; turns that show no skill are not returned."""
-    from agentopsd.skills import SkillBank
+    from agentopsd.rollout.skills import SkillBank
     from agentopsd.warmstart import student_visits
 
     model, tok = keydoor_policy
@@ -125,7 +125,7 @@ def test_student_visits_label_the_students_own_informed_turns(keydoor_policy) ->
 
 
 def test_split_skill_file_tells_the_door_with_and_without_its_key() -> None:
-    from agentopsd.skills import SkillBank
+    from agentopsd.rollout.skills import SkillBank
 
     bank = SkillBank.for_env(SPLIT)
     base = "Mission: pick up the red box\nYou see: a locked red door right in front of you.\nWalls: x.\n"

@@ -7,8 +7,8 @@ import pytest
 
 import agentopsd.envs  # noqa: F401  (registers the ids)
 from agentopsd.envs.babyai.env import ACTIONS
-from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import SamplingConfig
+from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.study.groundtruth import (
     FATAL_GAIN,
     LoggedTrajectory,

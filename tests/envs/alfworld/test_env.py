@@ -35,7 +35,7 @@ from agentopsd.envs.alfworld.scenes import (  # noqa: E402
     sample_scene,
 )
 from agentopsd.envs.base import normalize_action  # noqa: E402
-from agentopsd.skills import SkillBank  # noqa: E402
+from agentopsd.rollout.skills import SkillBank  # noqa: E402
 
 pytestmark = pytest.mark.alfworld
 register_envs()

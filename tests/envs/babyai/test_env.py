@@ -43,7 +43,7 @@ from agentopsd.envs.babyai.text import (
     wall_distances,
 )
 from agentopsd.envs.babyai.view import EMPTY_CELL, UNSEEN_CELL, WALL_CELL
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.skills import SkillBank
 
 SAMPLE = [0, 20, 40, 60, 80]
 

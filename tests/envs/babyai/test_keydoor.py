@@ -9,10 +9,10 @@ import pytest
 
 import agentopsd.envs  # noqa: F401  (registers the ids)
 from agentopsd.envs.babyai.env import BabyAIEnv
-from agentopsd.prompts import PromptBuilder
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.prompts import PromptBuilder
+from agentopsd.rollout.skills import SkillBank
 from agentopsd.study.groundtruth import advance, expert_remaining, make_env, start
 from agentopsd.types import TaskSpec
 

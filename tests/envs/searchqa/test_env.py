@@ -29,7 +29,7 @@ from agentopsd.envs.searchqa.corpus import (
 )
 from agentopsd.envs.searchqa.env import ENV_ID, SearchQAEnv, exact_match, normalize_answer, parse_action
 from agentopsd.envs.searchqa.retrieval import HttpRetriever, RetrieverError, format_information, shared_bm25
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.skills import SkillBank
 
 # Pinned: a change means the embedded corpus (and every number measured on it) changed.
 EMBEDDED_FINGERPRINT = "d57d2da7e8a54697460f92a31d97c256dc6befec6e5e9ebbaf0c098e1e22c78d"

@@ -27,7 +27,7 @@ from agentopsd.envs.webshop.reward import (
     webshop_score,
 )
 from agentopsd.envs.webshop.search import BM25Index, search_asins
-from agentopsd.skills import SkillBank
+from agentopsd.rollout.skills import SkillBank
 
 webshop.register_envs()
 ENV_IDS = [webshop.ENV_ID]

@@ -20,7 +20,7 @@ import torch
 
 from agentopsd.rollout import vllm_backend
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VENV = Path(os.environ.get("AGENTOPSD_VLLM_VENV", ROOT / ".venv-vllm"))
 BUILD_HINT = "bash scripts/build_vllm_cpu_env.sh"
 

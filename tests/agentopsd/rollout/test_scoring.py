@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agentopsd.scoring import checkpointing, hidden_at, pack_by_length, shared_prefixes, sharing_order
+from agentopsd.rollout.scoring import checkpointing, hidden_at, pack_by_length, shared_prefixes, sharing_order
 
 
 def test_prefix_groups_share_only_where_it_saves_tokens():

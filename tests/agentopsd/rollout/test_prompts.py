@@ -8,9 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentopsd.prompts import HistoryEntry, PromptBuilder, SkillLeakError, assert_no_skills, parse_action
+from agentopsd.rollout.prompts import (
+    HistoryEntry,
+    PromptBuilder,
+    SkillLeakError,
+    assert_no_skills,
+    parse_action,
+)
 
-CONF_ENV = Path(__file__).resolve().parents[2] / "conf" / "env"
+CONF_ENV = Path(__file__).resolve().parents[3] / "conf" / "env"
 
 
 @pytest.mark.parametrize(
@@ -117,7 +123,7 @@ def test_teacher_view_is_the_student_view_plus_the_skill_block_for_every_env(env
     """Long histories under tight budgets: the two views hold the same history, whatever gets trimmed."""
     from omegaconf import OmegaConf
 
-    from agentopsd.skills import SkillBank
+    from agentopsd.rollout.skills import SkillBank
 
     _, tok = tiny_walk_policy
     cfg = OmegaConf.load(CONF_ENV / f"{env_name}.yaml")
