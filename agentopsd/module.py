@@ -14,7 +14,6 @@ first: under FSDP every forward is a collective, so its count must not depend on
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import math
 import time
@@ -28,11 +27,18 @@ from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.credit.losses import aggregate, clipped_policy_loss, truncated_is_weights
 from agentopsd.data import TaskBatch, collate_trajectories
-from agentopsd.distributed import is_distributed, rank_and_world, reduce_metrics, shard_groups, shard_items
+from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
+from agentopsd.rollout.factory import (
+    engine_sleep,
+    engine_sync,
+    make_collector,
+    make_generator,
+    rollout_metrics,
+)
 from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.rollout.scoring import Scorer, sharing_order
 from agentopsd.rollout.skills import SkillBank
@@ -164,69 +170,15 @@ class AgentRLModule(L.LightningModule):
 
     # ------------------------------------------------------------------ rollout
 
-    def make_generator(self):
-        if self.rollout_cfg.backend == "vllm":
-            from agentopsd.rollout.vllm_backend import VLLMGenerator
-
-            if self.model_path is None:
-                raise ValueError("rollout.backend=vllm needs model.path (vLLM loads the weights itself)")
-            return VLLMGenerator(self.model_path, self.tokenizer, **self._vllm_engine_kwargs())
-        from agentopsd.rollout.hf import HFGenerator
-
-        # several ranks: every rank runs every forward (the rank invariant, agentopsd.distributed)
-        generator = HFGenerator(self.model, self.tokenizer, synced_gpus=is_distributed())
-        if self.rollout_cfg.malformed_rate > 0:
-            from agentopsd.rollout.chaos import MalformedGenerator
-
-            generator = MalformedGenerator(generator, self.rollout_cfg.malformed_rate, seed=self.seed)
-        return generator
-
-    # ---- colocated vLLM (issue 28): engine arguments, sync before generating, sleep after --------------
-    def _vllm_engine_kwargs(self) -> dict:
-        """rollout.vllm, plus what the run decides: the seed (the engine adds the rank), the longest
-        sequence, and which weights the engine loads (a fresh run's: nothing to sync before step 1)."""
-        kwargs = {"seed": self.seed, "max_model_len": self.env_cfg.max_prompt_tokens + self.rollout_cfg.max_new_tokens}
-        kwargs.update({k: v for k, v in dict(self.rollout_cfg.vllm).items() if v is not None})
-        kwargs.setdefault("loaded_step", 0 if self.iterations_done == 0 else None)
-        return kwargs
-
-    def _engine_sync(self, generator) -> None:
-        if hasattr(generator, "sleep"):  # the vLLM engine: gradients go before it wakes; weights named by step
-            for p in self.model.parameters():
-                p.grad = None
-            generator.sync_weights(self.model, step=self.iterations_done)
-        else:
-            generator.sync_weights(self.model)
-
-    def _engine_sleep(self, generator) -> None:
-        if hasattr(generator, "sleep"):
-            generator.sleep()
-
     @property
     def collector(self) -> Collector:
+        """The rollout's collector, built on first use (:mod:`agentopsd.rollout.factory`)."""
         if self._collector is None:
-            wrappers = []
-            if self.env_cfg.fault_rate > 0:
-                from agentopsd.envs.faults import FaultInjectionWrapper
-
-                rate, seeds = self.env_cfg.fault_rate, itertools.count(self.seed * 10_000)
-                # one seed per environment, in creation order: the same faults on every rerun
-                wrappers.append(lambda e: FaultInjectionWrapper(e, p_reset=rate, p_step=rate, seed=next(seeds)))
-            self._collector = Collector(
-                self.env_cfg.id,
-                self.make_generator(),
-                self.prompts,
-                self.sampling,
-                env_kwargs=self.env_cfg.kwargs,
-                max_turns=self.env_cfg.max_turns,
-                invalid_penalty=self.env_cfg.invalid_penalty,
-                reward=self.env_cfg.reward,
-                skill_bank=self.skill_bank,
-                num_threads=self.env_cfg.num_threads,
-                env_wrappers=wrappers,
-                stop_requested=lambda: self.stop_request.requested,
-                overlap_waves=self.rollout_cfg.overlap_waves,
-            )
+            generator = make_generator(self.model, self.tokenizer, self.env_cfg, self.rollout_cfg, seed=self.seed,
+                                       model_path=self.model_path, iterations_done=self.iterations_done)
+            self._collector = make_collector(self.env_cfg, generator, self.prompts, self.sampling, skill_bank=self.skill_bank,
+                                             seed=self.seed, stop_requested=lambda: self.stop_request.requested,
+                                             overlap_waves=self.rollout_cfg.overlap_waves)
         return self._collector
 
     def on_after_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
@@ -241,7 +193,7 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            self._engine_sync(collector.generator)
+            engine_sync(collector.generator, self.model, self.iterations_done)
             rank, world = rank_and_world()
             tasks = batch.tasks
             if world > 1:  # each rank plays whole groups of its own
@@ -251,7 +203,7 @@ class AgentRLModule(L.LightningModule):
                 trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
             except RolloutStopped:
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
-            self._engine_sleep(collector.generator)
+            engine_sleep(collector.generator)
             t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
@@ -281,7 +233,7 @@ class AgentRLModule(L.LightningModule):
             self.model.train(was_training)
         self.iteration = batch.iteration
         self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
-        metrics = self._rollout_metrics(trajectories, collector)
+        metrics = rollout_metrics(trajectories, collector)
         # faulted trajectories are left out of the update: this says how many were used
         metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
@@ -322,27 +274,6 @@ class AgentRLModule(L.LightningModule):
         q = next(self.ref_model.parameters(), None)
         if p is not None and q is not None and (q.device != p.device or q.dtype != p.dtype):
             self.ref_model.to(device=p.device, dtype=p.dtype)
-
-    @staticmethod
-    def _rollout_metrics(trajectories, collector: Collector) -> dict[str, float]:
-        n = max(len(trajectories), 1)
-        s = collector.stats
-        return {
-            "rollout/success": sum(t.success for t in trajectories) / n,
-            "rollout/score": sum(t.score for t in trajectories) / n,
-            "rollout/reward": sum(t.reward for t in trajectories) / n,
-            "rollout/penalty": sum(t.total_penalty for t in trajectories) / n,
-            "rollout/turns": sum(len(t.turns) for t in trajectories) / n,
-            "rollout/format_errors": float(s.format_errors),
-            "rollout/invalid_actions": float(s.invalid_actions),
-            "rollout/faults": float(s.faults),
-            "rollout/trajectories": float(len(trajectories)),
-            "perf/rollout_tokens_per_s": s.generated_tokens / max(s.generate_seconds, 1e-9),
-            "perf/env_seconds": s.env_seconds,
-            "perf/env_wait_seconds": s.env_wait_seconds,  # the env time no generation ran beside (all of it when serial)
-            "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
-            "rollout/skill_trimmed": float(collector.prompts.stats.get("skill_trimmed", 0)),
-        }
 
     # ------------------------------------------------------------------ scoring
 
@@ -523,7 +454,7 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            self._engine_sync(collector.generator)
+            engine_sync(collector.generator, self.model, self.iterations_done)
             try:
                 rank, world = rank_and_world()
                 # disjoint shards of the fixed list, one per rank (the collector keeps ranks in step)
@@ -536,7 +467,7 @@ class AgentRLModule(L.LightningModule):
                     with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
                         torch.manual_seed(len(copies) + 1_000_003 * rank)
                         sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
-                self._engine_sleep(collector.generator)
+                engine_sleep(collector.generator)
             except RolloutStopped:  # the evaluation is dropped; training state is whole
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
