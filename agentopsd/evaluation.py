@@ -1,4 +1,5 @@
-"""Evaluation metrics: success overall, by task type and by horizon bucket (torchmetrics)."""
+"""Evaluation: the fixed task list, and success overall, by task type and by horizon bucket (torchmetrics)
+pooled over every rank's episodes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torchmetrics.aggregation import MeanMetric
 
-from agentopsd.types import Trajectory
+from agentopsd import distributed
+from agentopsd.types import TaskSpec, Trajectory
 
 HORIZON_BUCKETS = ((1, 5), (6, 10), (11, 20), (21, 40), (41, 10_000))
 
@@ -68,3 +70,27 @@ def evaluate_outcomes(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     # episodes per bucket: a rate over 2 episodes and one over 60 are not the same evidence
     out.update({f"eval/episodes/horizon/{k}": float(m.update_count) for k, m in sorted(by_horizon.items())})
     return out
+
+
+def eval_task_list(env_id: str, env_kwargs: dict, num_tasks: int | None) -> list[TaskSpec]:
+    """The first ``num_tasks`` of the environment's eval split (None: all of it), one group each."""
+    import gymnasium as gym
+
+    env = gym.make(env_id, split="eval", disable_env_checker=True, **env_kwargs)
+    size = int(env.unwrapped.num_tasks)
+    n = size if num_tasks is None else min(num_tasks, size)
+    env.close()
+    # seed = task index: the same list on every machine and every run
+    return [TaskSpec(env_id, "eval", i, i, group_id=i) for i in range(n)]
+
+
+def pooled_metrics(greedy: Sequence[Trajectory], sampled: Sequence[Trajectory]) -> dict[str, float]:
+    """The metrics of every rank's episodes, the same on every rank (one collective): the greedy list's as
+    ``eval/...``, the sampled copies' (when any rank played some) as ``eval/sampled/...``."""
+    shards = distributed.gather_objects(([EpisodeOutcome.of(t) for t in greedy], [EpisodeOutcome.of(t) for t in sampled]),
+                                        "evaluation/outcomes")
+    metrics = evaluate_outcomes([o for greedy_shard, _ in shards for o in greedy_shard])
+    sampled_all = [o for _, more in shards for o in more]
+    if sampled_all:
+        metrics.update({k.replace("eval/", "eval/sampled/", 1): v for k, v in evaluate_outcomes(sampled_all).items()})
+    return metrics

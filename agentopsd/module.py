@@ -28,7 +28,7 @@ from agentopsd.credit.algorithms import Algorithm
 from agentopsd.credit.losses import aggregate, clipped_policy_loss, truncated_is_weights
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
-from agentopsd.evaluation import EpisodeOutcome, evaluate_outcomes
+from agentopsd.evaluation import eval_task_list, pooled_metrics
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
@@ -439,14 +439,7 @@ class AgentRLModule(L.LightningModule):
     # ------------------------------------------------------------------ evaluation
 
     def eval_tasks(self) -> list[TaskSpec]:
-        import gymnasium as gym
-
-        env = gym.make(self.env_cfg.id, split="eval", disable_env_checker=True, **self.env_cfg.kwargs)
-        size = int(env.unwrapped.num_tasks)
-        n = size if self.eval_cfg.num_tasks is None else min(self.eval_cfg.num_tasks, size)
-        env.close()
-        # seed = task index: the same list on every machine and every run
-        return [TaskSpec(self.env_cfg.id, "eval", i, i, group_id=i) for i in range(n)]
+        return eval_task_list(self.env_cfg.id, self.env_cfg.kwargs, self.eval_cfg.num_tasks)
 
     def evaluate(self) -> dict[str, float]:
         """Success on the fixed evaluation list, with no skill text in any prompt."""
@@ -472,13 +465,7 @@ class AgentRLModule(L.LightningModule):
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
             self.model.train(was_training)
-        # every rank's episodes, then the same metrics on every rank (one collective)
-        shards = distributed.gather_objects(([EpisodeOutcome.of(t) for t in trajectories], [EpisodeOutcome.of(t) for t in sampled]),
-                                            "evaluation/outcomes")
-        metrics = evaluate_outcomes([o for greedy, _ in shards for o in greedy])
-        sampled_all = [o for _, more in shards for o in more]
-        if sampled_all:
-            metrics.update({k.replace("eval/", "eval/sampled/", 1): v for k, v in evaluate_outcomes(sampled_all).items()})
+        metrics = pooled_metrics(trajectories, sampled)  # every rank's episodes: the same metrics on every rank
         metrics["eval/iteration"] = float(self.iterations_done)  # 0 before training
         self.eval_history.append(metrics)
         return metrics
