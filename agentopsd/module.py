@@ -30,6 +30,7 @@ from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import eval_task_list, pooled_metrics
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
+from agentopsd.rng_state import capture, restore
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.factory import (
@@ -478,24 +479,14 @@ class AgentRLModule(L.LightningModule):
     # ------------------------------------------------------------------ checkpoint extras
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        import random
-
-        import numpy as np
-
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
-        # plain types only: checkpoints load with torch.load(weights_only=True), which rejects numpy arrays
         checkpoint["agentopsd"] = {
-            "rng": {"torch": torch.get_rng_state(), "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(gauss)], "python": random.getstate()},
+            "rng": capture(),
             "eval_history": self.eval_history,
             "iteration": self.iteration,
             "iterations_done": self.iterations_done,
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        import random
-
-        import numpy as np
-
         state = checkpoint.get("state_dict")
         if isinstance(state, dict):  # checkpoints written before the reference left the state dict
             for key in [k for k in state if k.startswith("ref_model.")]:
@@ -503,10 +494,7 @@ class AgentRLModule(L.LightningModule):
         extra = checkpoint.get("agentopsd")
         if not extra:
             return
-        torch.set_rng_state(extra["rng"]["torch"])
-        name, keys, pos, has_gauss, gauss = extra["rng"]["numpy"]
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
-        random.setstate(extra["rng"]["python"])
+        restore(extra["rng"])
         self.eval_history = list(extra.get("eval_history", []))
         self.iteration = int(extra.get("iteration", 0))
         self.iterations_done = int(extra.get("iterations_done", 0))
