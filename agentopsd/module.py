@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from agentopsd import distributed
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
-from agentopsd.credit.losses import aggregate, clipped_policy_loss, truncated_is_weights
+from agentopsd.credit.losses import aggregate, clipped_policy_loss
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import eval_task_list, pooled_metrics
@@ -41,7 +41,7 @@ from agentopsd.rollout.factory import (
     rollout_metrics,
 )
 from agentopsd.rollout.prompts import PromptBuilder
-from agentopsd.rollout.scoring import Scorer, sharing_order
+from agentopsd.rollout.scoring import Scorer, engine_gap_metrics, sharing_order
 from agentopsd.rollout.skills import SkillBank
 from agentopsd.strategies import prepare_policy
 from agentopsd.types import RolloutBatch, TaskSpec
@@ -209,20 +209,9 @@ class AgentRLModule(L.LightningModule):
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
             with torch.no_grad():
-                scored = 0.0
-                backend_gap = None
-                if self.rollout_cfg.recompute_old_logprobs:
-                    behaviour = rb.old_logprobs
-                    rb.old_logprobs = self.action_logprobs(rb, "student")
-                    # how far the generator's log-probs (vLLM kernels) are from the training forward's
-                    backend_gap = (behaviour - rb.old_logprobs)[rb.action_mask].abs()
-                    scored += float(rb.attention_mask.sum())
-                    if self.tis_active:
-                        rb.is_weights = truncated_is_weights(rb.old_logprobs, behaviour, self.optim_cfg.tis_cap) * rb.action_mask
-                rb.student_logprobs = rb.old_logprobs
-                if self.algorithm.needs_teacher:
-                    rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
-                    scored += float(rb.teacher_attention_mask.sum())
+                scored, backend_gap = self.scorer.score_rollout(
+                    rb, recompute_old=self.rollout_cfg.recompute_old_logprobs, with_teacher=self.algorithm.needs_teacher,
+                    tis_cap=self.optim_cfg.tis_cap if self.tis_active else None)
                 if self.ref_model is not None:
                     self._place_reference()
                     rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
@@ -238,13 +227,7 @@ class AgentRLModule(L.LightningModule):
         # faulted trajectories are left out of the update: this says how many were used
         metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
-        if backend_gap is not None and backend_gap.numel():
-            metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
-            metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
-        if rb.is_weights is not None and rb.action_mask.any():
-            w = rb.is_weights[rb.action_mask]
-            metrics["rollout/tis_weight_mean"] = float(w.mean())
-            metrics["rollout/tis_capped_frac"] = float((w >= self.optim_cfg.tis_cap).float().mean())
+        metrics.update(engine_gap_metrics(backend_gap, rb, self.optim_cfg.tis_cap))
         # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
         self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=_metric_rule)
         self._warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"))

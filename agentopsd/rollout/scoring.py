@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from agentopsd.credit.losses import token_entropy, token_logprobs
+from agentopsd.credit.losses import token_entropy, token_logprobs, truncated_is_weights
 from agentopsd.distributed import padded
 from agentopsd.types import RolloutBatch
 
@@ -433,6 +433,27 @@ class Scorer:
                 out[idx] = block
         return out
 
+    def score_rollout(self, rb: RolloutBatch, *, recompute_old: bool, with_teacher: bool,
+                      tis_cap: float | None) -> tuple[float, Tensor | None]:
+        """A rollout batch's no-grad scores, written into ``rb``: the behaviour log-probs recomputed by the
+        trainer's forward when ``recompute_old`` (with truncated importance weights capped at ``tis_cap`` when
+        one is given), the student's, and the teacher view's when ``with_teacher``. Returns the tokens scored
+        and, after a recompute, |generator - trainer| at each action token (else None)."""
+        scored, backend_gap = 0.0, None
+        if recompute_old:
+            behaviour = rb.old_logprobs
+            rb.old_logprobs = self.action_logprobs(rb, "student")
+            # how far the generator's log-probs (vLLM kernels) are from the training forward's
+            backend_gap = (behaviour - rb.old_logprobs)[rb.action_mask].abs()
+            scored += float(rb.attention_mask.sum())
+            if tis_cap is not None:
+                rb.is_weights = truncated_is_weights(rb.old_logprobs, behaviour, tis_cap) * rb.action_mask
+        rb.student_logprobs = rb.old_logprobs
+        if with_teacher:
+            rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
+            scored += float(rb.teacher_attention_mask.sum())
+        return scored, backend_gap
+
     def logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, *, entropy: bool,
                              keep_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
         """Student log-probs (with gradient) and, when ``entropy``, the policy's entropy at the action positions,
@@ -475,3 +496,17 @@ class Scorer:
             ref_logprobs=zeros if with_reference else None, advantages=zeros,
         )
         return rb, torch.zeros(1, dtype=torch.long, device=self.device)
+
+
+def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: float) -> dict[str, float]:
+    """The generator's log-prob gap from the trainer's forward (:meth:`Scorer.score_rollout`) and the share of
+    truncated importance weights at their cap."""
+    metrics = {}
+    if backend_gap is not None and backend_gap.numel():
+        metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
+        metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
+    if rb.is_weights is not None and rb.action_mask.any():
+        w = rb.is_weights[rb.action_mask]
+        metrics["rollout/tis_weight_mean"] = float(w.mean())
+        metrics["rollout/tis_capped_frac"] = float((w >= tis_cap).float().mean())
+    return metrics
