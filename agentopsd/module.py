@@ -31,15 +31,9 @@ from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, 
 from agentopsd.evaluation import eval_task_list, pooled_metrics
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rng_state import capture, restore
+from agentopsd.rollout import factory
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.rollout.factory import (
-    engine_sleep,
-    engine_sync,
-    make_collector,
-    make_generator,
-    rollout_metrics,
-)
 from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.rollout.scoring import Scorer, engine_gap_metrics, sharing_order
 from agentopsd.rollout.skills import SkillBank
@@ -175,11 +169,12 @@ class AgentRLModule(L.LightningModule):
     def collector(self) -> Collector:
         """The rollout's collector, built on first use (:mod:`agentopsd.rollout.factory`)."""
         if self._collector is None:
-            generator = make_generator(self.model, self.tokenizer, self.env_cfg, self.rollout_cfg, seed=self.seed,
-                                       model_path=self.model_path, iterations_done=self.iterations_done)
-            self._collector = make_collector(self.env_cfg, generator, self.prompts, self.sampling, skill_bank=self.skill_bank,
-                                             seed=self.seed, stop_requested=lambda: self.stop_request.requested,
-                                             overlap_waves=self.rollout_cfg.overlap_waves)
+            generator = factory.make_generator(self.model, self.tokenizer, self.env_cfg, self.rollout_cfg, seed=self.seed,
+                                               model_path=self.model_path, iterations_done=self.iterations_done)
+            self._collector = factory.make_collector(self.env_cfg, generator, self.prompts, self.sampling,
+                                                     skill_bank=self.skill_bank, seed=self.seed,
+                                                     stop_requested=lambda: self.stop_request.requested,
+                                                     overlap_waves=self.rollout_cfg.overlap_waves)
         return self._collector
 
     def on_after_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
@@ -194,7 +189,7 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            engine_sync(collector.generator, self.model, self.iterations_done)
+            factory.engine_sync(collector.generator, self.model, self.iterations_done)
             rank, world = rank_and_world()
             tasks = batch.tasks
             if world > 1:  # each rank plays whole groups of its own
@@ -204,7 +199,7 @@ class AgentRLModule(L.LightningModule):
                 trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
             except RolloutStopped:
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
-            engine_sleep(collector.generator)
+            factory.engine_sleep(collector.generator)
             t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
@@ -223,7 +218,7 @@ class AgentRLModule(L.LightningModule):
             self.model.train(was_training)
         self.iteration = batch.iteration
         self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
-        metrics = rollout_metrics(trajectories, collector)
+        metrics = factory.rollout_metrics(trajectories, collector)
         # faulted trajectories are left out of the update: this says how many were used
         metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
@@ -431,7 +426,7 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            engine_sync(collector.generator, self.model, self.iterations_done)
+            factory.engine_sync(collector.generator, self.model, self.iterations_done)
             try:
                 rank, world = rank_and_world()
                 # disjoint shards of the fixed list, one per rank (the collector keeps ranks in step)
@@ -444,7 +439,7 @@ class AgentRLModule(L.LightningModule):
                     with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
                         torch.manual_seed(len(copies) + 1_000_003 * rank)
                         sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
-                engine_sleep(collector.generator)
+                factory.engine_sleep(collector.generator)
             except RolloutStopped:  # the evaluation is dropped; training state is whole
                 raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
