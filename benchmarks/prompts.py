@@ -1,6 +1,6 @@
 """CPU time to build a turn's two prompt views against the turn index, on a 50-turn ALFWorld-shaped
 episode with Qwen2.5's tokenizer: the whole prompt re-templated every turn ("before") against
-prompts assembled from cached pieces ("after", agentopsd.prompts.PromptBuilder's default).
+prompts assembled from cached pieces ("after", agentopsd.rollout.prompts.PromptBuilder's default).
 
     python benchmarks/prompts.py [--episodes 16] [--turns 50]
 

@@ -5,7 +5,7 @@ tokens, turn ids, GRPO sequence advantages, success bits and group ids. Before e
 ``training_step`` it writes per-token ``advantages`` (and ``turn_advantages``) into the
 batch and logs ``credit/`` statistics.
 
-Fields read (a dict or an object with item access; see :mod:`agentopsd.algorithms`):
+Fields read (a dict or an object with item access; see :mod:`agentopsd.credit.algorithms`):
 
 * row layout: ``teacher_logprobs``, ``student_logprobs`` ``[M,L]``, ``action_mask`` ``[M,L]``,
   ``turn_traj`` ``[M]``, ``turn_index`` ``[M]``;

@@ -8,7 +8,7 @@
 #   AGENTOPSD_VLLM_VENV=/tmp/vv bash scripts/build_vllm_cpu_env.sh
 #   AGENTOPSD_VLLM_REBUILD=1 bash scripts/build_vllm_cpu_env.sh   # start over
 #
-# Then: .venv/bin/pytest -m vllm tests/agentopsd/test_vllm_backend.py
+# Then: .venv/bin/pytest -m vllm tests/agentopsd/rollout/test_vllm_backend.py
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

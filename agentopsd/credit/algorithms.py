@@ -2,7 +2,7 @@
 
 Each algorithm says whether it needs the teacher view, turns a batch into the per-token
 advantages the clipped objective consumes, and may add a loss term of its own. The math lives
-in :mod:`agentopsd.credit` and :mod:`agentopsd.losses` (the functions the spec tests check);
+in :mod:`agentopsd.credit.advantages` and :mod:`agentopsd.credit.losses` (the functions the spec tests check);
 this module only moves tensors between layouts.
 
 Batch fields (a :class:`~agentopsd.types.RolloutBatch` or any mapping with these keys):

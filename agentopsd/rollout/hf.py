@@ -349,7 +349,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
 # each distinct prompt is run once; a prefix shared by a group of prompts is run once and its
 # keys/values are reused by the group; rows run in length-sorted chunks of at most this many padded
 # tokens (which also bounds activation memory), split where padding plus per-forward cost is least
-# (see agentopsd.scoring.pack_by_length), and the results are copied into the shared,
+# (see agentopsd.rollout.scoring.pack_by_length), and the results are copied into the shared,
 # left-padded cache: decoding then sees exactly the layout a single prefill would have made.
 PREFILL_CHUNK_TOKENS = 8192
 

@@ -1,6 +1,6 @@
 """SkillBank: privileged hints for the teacher view (SkillRL layout).
 
-A skill file ``agentopsd/skills/<env>.json`` holds::
+A skill file ``agentopsd/rollout/skills/<env>.json`` holds::
 
     {
       "scope":      "episode",                      # or "turn" (see below)
@@ -28,7 +28,7 @@ the student view token for token, so the log-prob gap is exactly 0, and the teac
 comes only from the turns the skills are about (a key in front, a locked door, the target).
 
 Skills are training-only: they feed the teacher view and must never reach an evaluation
-prompt (``agentopsd.prompts`` guards that).
+prompt (``agentopsd.rollout.prompts`` guards that).
 """
 
 from __future__ import annotations

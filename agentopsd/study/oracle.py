@@ -5,7 +5,7 @@ how far can AgentOPSD's reshaping (sign alignment, standardisation within the tr
 multiplier ``w_k`` in ``[1-b, 1+b]`` mixed with ``lam``) move learning? If the oracle at the paper's
 settings does no better than GRPO, the lever, not the evidence, limits the method there.
 
-Everything of :class:`~agentopsd.algorithms.AgentOPSD` is kept (prior, accumulator, belief, revision,
+Everything of :class:`~agentopsd.credit.algorithms.AgentOPSD` is kept (prior, accumulator, belief, revision,
 ``q_k = sign(A_seq) dB_k``, z-score, clip, mix) but the turn evidence ``e_k``:
 
     e*_k = s * g_k,   g_k = d(s_k) - d(s_{k+1})   (the expert's path saved by the turn, the ladder's label)

@@ -1,4 +1,4 @@
-"""agentopsd.scoring: shared prompt prefixes computed once give the plain forward's hidden states."""
+"""agentopsd.rollout.scoring: shared prompt prefixes computed once give the plain forward's hidden states."""
 
 from __future__ import annotations
 
