@@ -10,51 +10,10 @@ did when the math was the single module ``agentopsd/credit.py``. The algorithms 
 here, so that importing the math stays free of them.
 """
 
-from agentopsd.credit.advantages import (
-    MODES,
-    PRIOR_CLIP,
-    STD_EPS,
-    anchor_state_groups,
-    applied_multiplier,
-    apply_turn_penalties,
-    belief_revisions,
-    decayed_cumsum,
-    discounted_turn_returns,
-    gigpo_advantages,
-    group_success_rate,
-    grpo_advantages,
-    lambda_at,
-    mix_advantages,
-    pack_turns,
-    reshape_advantages,
-    rlsd_token_advantages,
-    stepopsd_multipliers,
-    turn_evidence,
-    turn_multipliers,
-    unpack_turns,
-)
+# the math's __all__ holds the names the single module exported; the constants and helper after it were public
+# there too (the run report reads PRIOR_CLIP and applied_multiplier)
+from agentopsd.credit import advantages as _advantages
+from agentopsd.credit.advantages import *  # noqa: F403
+from agentopsd.credit.advantages import PRIOR_CLIP, STD_EPS, applied_multiplier
 
-# the old module's public names: its __all__ plus the constants and helper the report reads
-__all__ = [
-    "MODES",
-    "PRIOR_CLIP",
-    "STD_EPS",
-    "anchor_state_groups",
-    "applied_multiplier",
-    "apply_turn_penalties",
-    "belief_revisions",
-    "decayed_cumsum",
-    "discounted_turn_returns",
-    "gigpo_advantages",
-    "group_success_rate",
-    "grpo_advantages",
-    "lambda_at",
-    "mix_advantages",
-    "pack_turns",
-    "reshape_advantages",
-    "rlsd_token_advantages",
-    "stepopsd_multipliers",
-    "turn_evidence",
-    "turn_multipliers",
-    "unpack_turns",
-]
+__all__ = [*_advantages.__all__, "PRIOR_CLIP", "STD_EPS", "applied_multiplier"]
