@@ -184,6 +184,8 @@ def finished_rows(out: Path) -> list[dict]:
     """Every finished run under ``<out>/runs`` that this script made (its meta.json names it), whichever command made it."""
     rows = []
     for meta_path in sorted((out / "runs").glob("*/meta.json")):
+        if meta_path.parent.is_symlink():  # train.py's `latest` link to the newest run folder
+            continue
         meta = json.loads(meta_path.read_text())
         if "algorithm" in meta and is_finished(meta_path.parent, meta["iterations"]):
             rows.append(run_row(meta["algorithm"], meta["seed"], meta_path.parent, meta["iterations"], meta.get("repeat", 0)))

@@ -171,7 +171,8 @@ def test_repeats_train_their_own_warm_start_and_lend_only_within_a_repeat(qs, tm
     (runs / "agentopsd-s10-r1" / "warm_start" / "policy-s10.pt").write_text("w")
     qs.run_one("agentopsd", 1, tmp_path, tmp_path, "abc", 16, [], repeat=1, command_line="cmd")
     assert not (runs / "agentopsd-s1-r1" / "warm_start").exists()
-    # the folder's finished runs are read back with their seed, repeat and command
+    # the folder's finished runs are read back with their seed, repeat and command, once each
+    (runs / "latest").symlink_to(runs / "agentopsd-s0-r1")  # train.py links its newest run
     rows = qs.finished_rows(tmp_path)
     assert sorted((r["algorithm"], r["seed"], r["repeat"]) for r in rows) == [("agentopsd", 0, 1), ("agentopsd", 1, 1), ("grpo", 0, 1)]
     assert {r["command"] for r in rows} == {"cmd"}
