@@ -1,19 +1,32 @@
 """Run the quickstart (`python train.py`) over many seeds and write the per-seed table.
 
     python scripts/quickstart_seeds.py --seeds 0-9 --algorithms agentopsd grpo     # the table in results/quickstart_seeds
+    python scripts/quickstart_seeds.py --seeds 0 --repeats 10                          # run-to-run spread of seed 0
     python scripts/quickstart_seeds.py --seeds 0 1 --iterations 2                     # a quick look
 
 Every run is the embedded default exactly as a user starts it, with only the seed and the algorithm
 swapped: ``train.py seed=S algorithm=A output_dir=<out>/runs/<A>-s<S>``, its own warm start
-included (a run of the same seed made earlier lends its cached demonstrations and weights, which
-the seed fixes). Two runs at a time (``--jobs``), one thread each, as on a 2-core CPU.
+included (a run of the same seed and repeat made earlier lends its cached demonstrations and weights,
+so the algorithms of one repeat start from the same weights). Two runs at a time (``--jobs``), one
+thread each, as on a 2-core CPU.
+
+``--repeats N`` runs each seed N times, each repeat in its own folder (``<A>-s<S>`` for the first,
+``<A>-s<S>-r<K>`` for the others) with its own warm start trained anew, nothing lent from another
+repeat: by default (``trainer.deterministic=false``) one seed on one machine does not give
+bit-identical weights, and RL can amplify a warm start's difference in the sixth digit, so the
+repeats measure what a newcomer who runs ``python train.py`` may see. (``train.py`` itself caches
+the warm start under ``runs/<name>/warm_start/``, shared by every run of that name: a user's second
+``python train.py`` loads the first one's warm start instead of training one.)
 
 Resumable: a run whose log holds the final evaluation is read back, not trained again; a run cut
 short goes on from its last checkpoint (``ckpt_path=last``). The code trained is the commit
 checked out (exported once with ``git archive``, so edits made to the working tree while the grid
 runs cannot leak into it). After every run, ``<out>/runs.csv`` (one row per run) and
-``<out>/table.md`` (per seed, the algorithms side by side; per algorithm, how many seeds reach the
-target and the mean with a 95% bootstrap interval) are rewritten.
+``<out>/table.md`` are rewritten from every finished run under ``<out>/runs`` (so the tables of
+``--seeds 0 --repeats 10`` and of ``--seeds 0-9`` written into one folder stand side by side): per
+run, the algorithms side by side; per algorithm, the run-to-run spread (the repeats of one seed) and
+the seed-to-seed spread (the first run of each seed): how many runs reach the target, the mean with
+a 95% bootstrap interval, the minimum, and how many are at the target two thirds of the way.
 """
 
 from __future__ import annotations
@@ -113,12 +126,18 @@ def command(algorithm: str, seed: int, run_dir: Path, iterations: int, resume: b
     return cmd + (["ckpt_path=last"] if resume else []) + extra
 
 
-def lend_warm_start(run_dir: Path, seed: int, runs_root: Path) -> None:
-    """Copy the cached warm start of an earlier run of this seed: the same demonstrations and weights for every algorithm."""
+def run_name(algorithm: str, seed: int, repeat: int = 0) -> str:
+    """``<A>-s<S>`` for a seed's first run, ``<A>-s<S>-r<K>`` for its repeat K (K >= 1)."""
+    return f"{algorithm}-s{seed}" + (f"-r{repeat}" if repeat else "")
+
+
+def lend_warm_start(run_dir: Path, seed: int, runs_root: Path, repeat: int = 0) -> None:
+    """Copy the cached warm start of an earlier run of this seed and repeat (another algorithm's): the same
+    demonstrations and weights for every algorithm of one repeat; never another repeat's, so repeats stay independent."""
     target = run_dir / "warm_start"
     if any(target.glob("policy-*.pt")):
         return
-    for other in sorted(runs_root.glob(f"*-s{seed}/warm_start")):
+    for other in sorted(runs_root.glob(f"*-s{seed}{f'-r{repeat}' if repeat else ''}/warm_start")):
         if other != target and any(other.glob("policy-*.pt")):
             target.mkdir(parents=True, exist_ok=True)
             for cached in other.iterdir():
@@ -127,8 +146,9 @@ def lend_warm_start(run_dir: Path, seed: int, runs_root: Path) -> None:
             return
 
 
-def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, iterations: int, extra: list[str]) -> dict:
-    run_dir = out / "runs" / f"{algorithm}-s{seed}"
+def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, iterations: int, extra: list[str],
+            repeat: int = 0, command_line: str = "") -> dict:
+    run_dir = out / "runs" / run_name(algorithm, seed, repeat)
     meta_path = run_dir / "meta.json"
     if not is_finished(run_dir, iterations):
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -139,7 +159,7 @@ def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, itera
                     if child.name != "warm_start":
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
             meta = {}
-            lend_warm_start(run_dir, seed, out / "runs")
+            lend_warm_start(run_dir, seed, out / "runs", repeat)
         run_dir.mkdir(parents=True, exist_ok=True)
         rss_file = run_dir / "peak_rss_kb"
         cmd = command(algorithm, seed, run_dir, iterations, resume, extra)
@@ -151,20 +171,35 @@ def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, itera
         wall = time.monotonic() - start
         rss_mb = int(rss_file.read_text().split()[-1]) / 1024 if timer and rss_file.exists() else float("nan")
         meta = {"commit": commit, "wall_s": meta.get("wall_s", 0.0) + wall, "resumed": meta.get("resumed", 0) + resume,
-                "peak_rss_mb": max(meta.get("peak_rss_mb", 0.0), rss_mb) if rss_mb == rss_mb else meta.get("peak_rss_mb")}
+                "peak_rss_mb": max(meta.get("peak_rss_mb", 0.0), rss_mb) if rss_mb == rss_mb else meta.get("peak_rss_mb"),
+                "algorithm": algorithm, "seed": seed, "repeat": repeat, "iterations": iterations, "overrides": list(extra),
+                "command": meta.get("command") or command_line}
         meta_path.write_text(json.dumps(meta))
         if done.returncode != 0 or not is_finished(run_dir, iterations):
             raise RuntimeError(f"{' '.join(cmd)} failed (exit {done.returncode}); see {run_dir / 'stdout.log'}")
-    return run_row(algorithm, seed, run_dir, iterations)
+    return run_row(algorithm, seed, run_dir, iterations, repeat)
 
 
-def run_row(algorithm: str, seed: int, run_dir: Path, iterations: int) -> dict:
+def finished_rows(out: Path) -> list[dict]:
+    """Every finished run under ``<out>/runs`` that this script made (its meta.json names it), whichever command made it."""
+    rows = []
+    for meta_path in sorted((out / "runs").glob("*/meta.json")):
+        if meta_path.parent.is_symlink():  # train.py's `latest` link to the newest run folder
+            continue
+        meta = json.loads(meta_path.read_text())
+        if "algorithm" in meta and is_finished(meta_path.parent, meta["iterations"]):
+            rows.append(run_row(meta["algorithm"], meta["seed"], meta_path.parent, meta["iterations"], meta.get("repeat", 0)))
+    return rows
+
+
+def run_row(algorithm: str, seed: int, run_dir: Path, iterations: int, repeat: int = 0) -> dict:
     """One finished run as a row of runs.csv."""
     rows = log_rows(run_dir)
     evals = evaluations(rows)
     meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() else {}
-    row: dict = {"seed": seed, "algorithm": algorithm, "commit": meta.get("commit", ""), "iterations": iterations,
-                 "success_warm_start": evals.get(0, float("nan")), "success_end": evals[iterations]}
+    row: dict = {"seed": seed, "repeat": repeat, "algorithm": algorithm, "commit": meta.get("commit", ""), "iterations": iterations,
+                 "success_warm_start": evals.get(0, float("nan")), "success_end": evals[iterations],
+                 "command": meta.get("command", ""), "overrides": " ".join(meta.get("overrides", []))}
     row.update({f"eval_it{k}": v for k, v in sorted(evals.items())})
     log = run_dir / "train.log"
     row.update({"wall_s": meta.get("wall_s", float("nan")), "peak_rss_mb": meta.get("peak_rss_mb", float("nan")),
@@ -195,67 +230,115 @@ def _pct(x: float) -> str:
     return "" if x != x else f"{100 * x:.0f}"
 
 
-def build_table(rows: list[dict], algorithms: list[str], iterations: int, command_line: str) -> str:
-    """Markdown: per seed, each algorithm's evaluations by iteration; per algorithm, the seeds at the target and the mean."""
-    algorithms = [a for a in algorithms if any(r["algorithm"] == a for r in rows)]
-    by = {(r["algorithm"], r["seed"]): r for r in rows}
+def _seeds_text(seeds: list[int]) -> str:
+    """``0-9`` for a range, else the seeds listed."""
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(str(s) for s in seeds)
+
+
+def spread_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The groups the summary compares: run to run (every repeat of a seed run more than once) and
+    seed to seed (the first run of each seed), or the one run of one seed."""
     seeds = sorted({r["seed"] for r in rows})
-    commits = sorted({r["commit"] for r in rows if r.get("commit")})
-    eval_its = sorted({int(k[len("eval_it"):]) for r in rows for k in r if k.startswith("eval_it")})
-    lines = [f"Quickstart (`python train.py`) over seeds: greedy evaluation success (%) on the fixed evaluation list "
-             f"after 0 (the warm start) / {' / '.join(str(i) for i in eval_its if i)} RL iterations; "
-             f"wall time and peak memory (RSS) per run, two runs at a time with one thread each on a 2-core CPU.", "",
-             f"Command: `{command_line}`  ", f"Commit: {', '.join(c[:12] for c in commits) or 'unknown'}", ""]
-    head = ["seed"] + [f"{a}: {' → '.join(str(i) for i in eval_its)}" for a in algorithms] + [f"{a} s / MB" for a in algorithms]
-    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    groups = []
     for seed in seeds:
-        cells = [str(seed)]
+        repeats = [r for r in rows if r["seed"] == seed]
+        if len({r.get("repeat", 0) for r in repeats}) > 1:
+            groups.append((f"run to run: seed {seed}, {len(repeats)} runs", repeats))
+    first = [r for r in rows if not r.get("repeat", 0)]
+    if len(seeds) > 1 or not groups:
+        groups.append((f"seed to seed: seed{'s' if len(seeds) > 1 else ''} {_seeds_text(seeds)}"
+                       + (", first run of each" if groups else ""), first))
+    return [(name, group) for name, group in groups if group]
+
+
+def checkpoint_iteration(eval_its: list[int], iterations: int) -> int | None:
+    """The last evaluated iteration at or before two thirds of the run: where the jump should be done."""
+    early = [i for i in eval_its if 0 < i <= 2 * iterations / 3]
+    return max(early) if early else None
+
+
+def build_table(rows: list[dict], algorithms: list[str], iterations: int, command_line: str) -> str:
+    """Markdown: per run, each algorithm's evaluations by iteration; per algorithm, the run-to-run and
+    seed-to-seed spreads (runs at the target, at the end and two thirds of the way; mean; minimum)."""
+    algorithms = [a for a in algorithms if any(r["algorithm"] == a for r in rows)] + \
+        sorted({r["algorithm"] for r in rows} - set(algorithms))
+    by = {(r["algorithm"], r["seed"], r.get("repeat", 0)): r for r in rows}
+    runs = sorted({(r["seed"], r.get("repeat", 0)) for r in rows})
+    commits = sorted({r["commit"] for r in rows if r.get("commit")})
+    commands = list(dict.fromkeys(r.get("command") or command_line for r in sorted(rows, key=lambda r: (r.get("repeat", 0) == 0, r["seed"]))))
+    overrides = sorted({r.get("overrides", "") for r in rows} - {""})
+    eval_its = sorted({int(k[len("eval_it"):]) for r in rows for k in r if k.startswith("eval_it")})
+    early = checkpoint_iteration(eval_its, iterations)
+    lines = [f"Quickstart (`python train.py`) over seeds and repeated runs: greedy evaluation success (%) on the fixed "
+             f"evaluation list after 0 (the warm start) / {' / '.join(str(i) for i in eval_its if i)} RL iterations; "
+             f"wall time and peak memory (RSS) per run, two runs at a time with one thread each on a 2-core CPU. "
+             f"A repeat is the same seed run again from scratch, its warm start trained anew.", ""]
+    lines += [f"Command{'s' if len(commands) > 1 else ''}: " + "; ".join(f"`{c}`" for c in commands) + "  ",
+              f"Commit: {', '.join(c[:12] for c in commits) or 'unknown'}" + ("  " if overrides else "")]
+    if overrides:
+        lines.append(f"Overrides: {'; '.join(f'`{o}`' for o in overrides)}")
+    lines.append("")
+    head = ["seed", "repeat"] + [f"{a}: {' → '.join(str(i) for i in eval_its)}" for a in algorithms] + \
+        [f"{a} s / MB" for a in algorithms]
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for seed, repeat in runs:
+        cells = [str(seed), str(repeat)]
         for a in algorithms:
-            r = by.get((a, seed))
+            r = by.get((a, seed, repeat))
             cells.append(" → ".join(_pct(r.get(f"eval_it{i}", float("nan"))) for i in eval_its) if r else "")
         for a in algorithms:
-            r = by.get((a, seed))
+            r = by.get((a, seed, repeat))
             lent = "" if not r or r.get("warm_start_trained", 1) else "*"
             cells.append(f"{r['wall_s']:.0f}{lent} / {r['peak_rss_mb']:.0f}{lent}" if r else "")
         lines.append("| " + " | ".join(cells) + " |")
     if any(not r.get("warm_start_trained", 1) for r in rows):
-        lines += ["", "\\* loaded its seed's warm start from the cache of an earlier run of that seed (as the runs of one "
-                      "name share theirs), so this time and memory leave out the demonstrations and supervised steps."]
-    lines += ["", f"| algorithm | seeds ≥ {100 * TARGET:.0f}% | mean after RL (95% bootstrap interval) | mean warm start "
-                  "| mean wall s (max) | max peak RSS MB |", "|---|---|---|---|---|---|"]
+        lines += ["", "\\* loaded its warm start from the cache of another algorithm's run of that seed and repeat, so "
+                      "this time and memory leave out the demonstrations and supervised steps."]
+    at_early = f"≥ {100 * TARGET:.0f}% at iteration {early}" if early else ""
+    lines += ["", f"Per algorithm: runs at ≥ {100 * TARGET:.0f}% after the last iteration"
+                  + (f" and already at iteration {early} (two thirds of the way)" if early else "")
+                  + ", mean after RL with a 95% bootstrap interval (percentile, 10,000 draws), the lowest run.", "",
+              f"| algorithm | spread | ≥ {100 * TARGET:.0f}% at the end | {at_early or 'early'} | mean after RL (95% interval) "
+              "| min | mean warm start | mean wall s (max) | max peak RSS MB |", "|---|---|---|---|---|---|---|---|---|"]
     for a in algorithms:
-        group = [r for r in rows if r["algorithm"] == a]
-        ends = [r["success_end"] for r in group]
-        lo, hi = bootstrap_interval(ends)
-        # time and memory over the runs that made their own warm start, as a user's run does (else all, starred)
-        own = [r for r in group if r.get("warm_start_trained", 1)] or group
-        star = "" if own[0].get("warm_start_trained", 1) else "*"
-        walls = [r["wall_s"] for r in own if r["wall_s"] == r["wall_s"]]
-        rss = [r["peak_rss_mb"] for r in own if r["peak_rss_mb"] == r["peak_rss_mb"]]
-        warm = [r["success_warm_start"] for r in group if r["success_warm_start"] == r["success_warm_start"]]
-        cost = f"{statistics.fmean(walls):.0f} ({max(walls):.0f}){star} | {max(rss):.0f}{star}" if walls and rss else " | "
-        lines.append(f"| {a} | {sum(e >= TARGET for e in ends)} / {len(ends)} | {_pct(statistics.fmean(ends))} "
-                     f"[{_pct(lo)}, {_pct(hi)}] | {_pct(statistics.fmean(warm)) if warm else ''} | {cost} |")
-    # what tells a stalled seed from a learning one: how fast training success (temperature 1) rises,
+        for name, group in spread_groups([r for r in rows if r["algorithm"] == a]):
+            ends = [r["success_end"] for r in group]
+            lo, hi = bootstrap_interval(ends)
+            early_vals = [r.get(f"eval_it{early}") for r in group] if early else []
+            early_cell = f"{sum(v >= TARGET for v in early_vals if v is not None)} / {len(group)}" if early else ""
+            # time and memory over the runs that made their own warm start, as a user's run does (else all, starred)
+            own = [r for r in group if r.get("warm_start_trained", 1)] or group
+            star = "" if own[0].get("warm_start_trained", 1) else "*"
+            walls = [r["wall_s"] for r in own if r["wall_s"] == r["wall_s"]]
+            rss = [r["peak_rss_mb"] for r in own if r["peak_rss_mb"] == r["peak_rss_mb"]]
+            warm = [r["success_warm_start"] for r in group if r["success_warm_start"] == r["success_warm_start"]]
+            cost = f"{statistics.fmean(walls):.0f} ({max(walls):.0f}){star} | {max(rss):.0f}{star}" if walls and rss else " | "
+            lines.append(f"| {a} | {name} | {sum(e >= TARGET for e in ends)} / {len(ends)} | {early_cell} | "
+                         f"{_pct(statistics.fmean(ends))} [{_pct(lo)}, {_pct(hi)}] | {_pct(min(ends))} | "
+                         f"{_pct(statistics.fmean(warm)) if warm else ''} | {cost} |")
+    # what tells a stalled run from a learning one: how fast training success (temperature 1) rises,
     # how large the updates are, and whether the credit's evidence tracks the outcome
     lines += ["", "Per run, means over the RL iterations: training success (%; first and last 4 iterations), gradient "
-                  "norm, approximate KL of the update, correlation of the credit's evidence with the outcome.", "",
-              "| algorithm | seed | train success | first 4 | last 4 | grad norm | approx KL | evidence-outcome corr |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (algorithms.index(r["algorithm"]), r["seed"])):
+                  "norm, approximate KL of the update, clip fraction, correlation of the credit's evidence with the outcome.", "",
+              "| algorithm | seed | repeat | train success | first 4 | last 4 | grad norm | approx KL | clip frac | evidence-outcome corr |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (algorithms.index(r["algorithm"]), r["seed"], r.get("repeat", 0))):
         train = [float(v) for v in str(r.get("rollout_success_by_it", "")).split()]
         cells = [_pct(statistics.fmean(train)), _pct(statistics.fmean(train[:4])), _pct(statistics.fmean(train[-4:]))] \
             if train else ["", "", ""]
         cells += [f"{r[k]:.3g}" if k in r else "" for k in
-                  ("loss_grad_norm_mean", "loss_approx_kl_mean", "credit_evidence_outcome_corr_mean")]
-        lines.append(f"| {r['algorithm']} | {r['seed']} | " + " | ".join(cells) + " |")
+                  ("loss_grad_norm_mean", "loss_approx_kl_mean", "loss_clip_frac_mean", "credit_evidence_outcome_corr_mean")]
+        lines.append(f"| {r['algorithm']} | {r['seed']} | {r.get('repeat', 0)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_results(rows: list[dict], out: Path, algorithms: list[str], iterations: int, command_line: str) -> None:
-    rows = sorted(rows, key=lambda r: (r["seed"], algorithms.index(r["algorithm"]) if r["algorithm"] in algorithms else 99))
+    order = {a: i for i, a in enumerate(algorithms)}
+    rows = sorted(rows, key=lambda r: (r["seed"], r.get("repeat", 0), order.get(r["algorithm"], 99), r["algorithm"]))
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    fixed = ["seed", "algorithm", "commit", "iterations", "success_warm_start", "success_end"]
+    fixed = ["seed", "repeat", "algorithm", "commit", "iterations", "success_warm_start", "success_end"]
     keys = fixed + sorted((k for k in keys if k.startswith("eval_it")), key=lambda k: int(k[7:])) + \
         [k for k in keys if k not in fixed and not k.startswith("eval_it")]
     with (out / "runs.csv").open("w", newline="") as f:
@@ -269,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", nargs="+", default=["0-9"], help="seeds or ranges: 0-9, or 0 3 7")
     parser.add_argument("--algorithms", nargs="+", default=["agentopsd", "grpo"])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each seed, each from scratch (its own warm start): the run-to-run spread")
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "quickstart_seeds")
@@ -277,6 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides, e.g. data.group_size=4")
     args = parser.parse_args(argv)
     seeds = parse_seeds(args.seeds)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: {args.repeats}; give 1 or more")
     args.out = args.out.resolve()  # the runs' working directory is the exported code, not here
     args.out.mkdir(parents=True, exist_ok=True)
     commit = head_commit()
@@ -284,22 +371,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.code:
         commit += "+worktree"
     command_line = "python scripts/quickstart_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    jobs = [(a, s) for a in args.algorithms for s in seeds]  # algorithm-major: the first algorithm's grid lands first
-    rows: list[dict] = []
+    # algorithm-major (the first algorithm's grid lands first), then repeat-major (every seed's first run first)
+    jobs = [(a, s, k) for a in args.algorithms for k in range(args.repeats) for s in seeds]
     failures: list[str] = []
     lock = threading.Lock()  # two runs may finish at once: one writer of the tables at a time
 
-    def one(job: tuple[str, int]) -> None:
+    def one(job: tuple[str, int, int]) -> None:
         try:
-            row = run_one(job[0], job[1], args.out, code, commit, args.iterations, args.overrides)
+            row = run_one(job[0], job[1], args.out, code, commit, args.iterations, args.overrides, job[2], command_line)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)
             return
-        with lock:
-            rows.append(row)
-            write_results(list(rows), args.out, args.algorithms, args.iterations, command_line)
-        print(f"{job[0]} seed {job[1]}: {_pct(row['success_warm_start'])}% -> {_pct(row['success_end'])}% "
+        with lock:  # every finished run in the folder, this command's and earlier ones'
+            write_results(finished_rows(args.out), args.out, args.algorithms, args.iterations, command_line)
+        print(f"{job[0]} seed {job[1]} repeat {job[2]}: {_pct(row['success_warm_start'])}% -> {_pct(row['success_end'])}% "
               f"in {row['wall_s']:.0f} s", flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -104,25 +104,75 @@ def test_run_one_skips_finished_resumes_cut_short_and_restarts_other_commits(qs,
     assert not (other / "csv" / "version_1").exists()  # the old commit's log went with the restart
 
 
-def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: Path) -> None:
-    def row(algorithm: str, seed: int, end: float) -> dict:
-        return {"seed": seed, "algorithm": algorithm, "commit": "0123456789abcdef", "iterations": 16,
-                "success_warm_start": 0.0, "success_end": end, "eval_it0": 0.0, "eval_it8": end / 2, "eval_it16": end,
-                "wall_s": 400.0 + seed, "peak_rss_mb": 1900.0, "resumed": 0,
-                "rollout_success_by_it": "0 0 0.5 0.5 1 1", "loss_approx_kl_mean": 0.0125}
+def _row(algorithm: str, seed: int, end: float, repeat: int = 0, mid: float | None = None) -> dict:
+    return {"seed": seed, "repeat": repeat, "algorithm": algorithm, "commit": "0123456789abcdef", "iterations": 16,
+            "success_warm_start": 0.0, "success_end": end, "eval_it0": 0.0, "eval_it8": end / 2 if mid is None else mid,
+            "eval_it16": end, "wall_s": 400.0 + seed, "peak_rss_mb": 1900.0, "resumed": 0,
+            "rollout_success_by_it": "0 0 0.5 0.5 1 1", "loss_approx_kl_mean": 0.0125}
 
-    rows = [row("grpo", 1, 0.5), row("agentopsd", 0, 0.96), row("agentopsd", 1, 0.04), row("grpo", 0, 0.81)]
+
+def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: Path) -> None:
+    rows = [_row("grpo", 1, 0.5), _row("agentopsd", 0, 0.96), _row("agentopsd", 1, 0.04), _row("grpo", 0, 0.81)]
     rows[0].update(warm_start_trained=0, wall_s=50.0, peak_rss_mb=800.0)  # grpo seed 1 loaded seed 1's warm start
     qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "python scripts/quickstart_seeds.py --seeds 0-1")
     table = (tmp_path / "table.md").read_text()
-    assert "| 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
-    assert "| 1 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* loaded its seed's warm start" in table
-    assert "| grpo | 1 / 2 | 66 [50, 81] | 0 | 400 (400) | 1900 |" in table  # the run that loaded its warm start left out
-    assert "| agentopsd | 1 / 2 | 50 [4, 96] |" in table and "| grpo | 1 / 2 |" in table
-    assert "| agentopsd | 0 | 50 | 25 | 75 |  | 0.0125 |  |" in table  # first and last 4 of 6 iterations
+    assert "| 0 | 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
+    assert "| 1 | 0 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* loaded its warm start" in table
+    # seed to seed only (no seed repeated); iteration 8 is the last evaluation within two thirds of 16
+    assert "≥ 80% at iteration 8" in table
+    # the run that loaded its warm start is left out of time and memory
+    assert "| grpo | seed to seed: seeds 0, 1 | 1 / 2 | 0 / 2 | 66 [50, 81] | 50 | 0 | 400 (400) | 1900 |" in table
+    assert "| agentopsd | seed to seed: seeds 0, 1 | 1 / 2 | 0 / 2 | 50 [4, 96] | 4 |" in table
+    assert "| agentopsd | 0 | 0 | 50 | 25 | 75 |  | 0.0125 |  |  |" in table  # first and last 4 of 6 iterations
     assert "Commit: 0123456789ab" in table and "--seeds 0-1" in table
     with (tmp_path / "runs.csv").open() as f:
         read = list(csv.DictReader(f))
     assert [(r["seed"], r["algorithm"]) for r in read] == [("0", "agentopsd"), ("0", "grpo"), ("1", "agentopsd"), ("1", "grpo")]
-    assert list(read[0])[:9] == ["seed", "algorithm", "commit", "iterations", "success_warm_start", "success_end",
-                                 "eval_it0", "eval_it8", "eval_it16"]
+    assert list(read[0])[:10] == ["seed", "repeat", "algorithm", "commit", "iterations", "success_warm_start", "success_end",
+                                  "eval_it0", "eval_it8", "eval_it16"]
+
+
+def test_table_puts_run_to_run_beside_seed_to_seed(qs, tmp_path: Path) -> None:
+    """Repeats of seed 0 and the first runs of seeds 0-2, written by two commands into one folder."""
+    repeats = [_row("agentopsd", 0, end, repeat=k, mid=0.9) for k, end in enumerate([0.96, 0.5, 0.9, 0.85])]
+    seeds = [_row("agentopsd", s, end, mid=0.3) for s, end in [(1, 0.95), (2, 0.97)]]
+    for r in repeats:
+        r["command"] = "python scripts/quickstart_seeds.py --seeds 0 --repeats 4"
+    for r in seeds:
+        r["command"] = "python scripts/quickstart_seeds.py --seeds 0-2"
+    qs.write_results(repeats + seeds, tmp_path, ["agentopsd"], 16, "unused")
+    table = (tmp_path / "table.md").read_text()
+    assert "`python scripts/quickstart_seeds.py --seeds 0 --repeats 4`; `python scripts/quickstart_seeds.py --seeds 0-2`" in table
+    assert "| 0 | 3 | 0 → 90 → 85 | 403 / 1900 |" not in table  # wall: 400 + seed, not + repeat
+    assert "| 0 | 3 | 0 → 90 → 85 | 400 / 1900 |" in table
+    run_to_run = next(line for line in table.splitlines() if "run to run: seed 0, 4 runs" in line)
+    assert run_to_run.startswith("| agentopsd | run to run: seed 0, 4 runs | 3 / 4 | 4 / 4 | 80 [") and "| 50 |" in run_to_run
+    seed_to_seed = next(line for line in table.splitlines() if "seed to seed: seeds 0-2, first run of each" in line)
+    assert seed_to_seed.startswith("| agentopsd | seed to seed: seeds 0-2, first run of each | 3 / 3 | 1 / 3 | 96 [")
+    assert "| 95 |" in seed_to_seed
+
+
+def test_repeats_train_their_own_warm_start_and_lend_only_within_a_repeat(qs, tmp_path: Path, monkeypatch) -> None:
+    calls: list[list[str]] = []
+    _fake_train(qs, monkeypatch, calls, finish=True)
+    runs = tmp_path / "runs"
+    (runs / "agentopsd-s0" / "warm_start").mkdir(parents=True)
+    (runs / "agentopsd-s0" / "warm_start" / "policy-first.pt").write_text("w")
+    qs.run_one("agentopsd", 0, tmp_path, tmp_path, "abc", 16, [], repeat=1, command_line="cmd")
+    assert "output_dir=" + str((runs / "agentopsd-s0-r1").resolve()) in calls[-1]
+    assert not (runs / "agentopsd-s0-r1" / "warm_start").exists()  # trained anew, not the first run's
+    # the other algorithm of repeat 1 starts from repeat 1's warm start, not the first run's
+    (runs / "agentopsd-s0-r1" / "warm_start").mkdir()
+    (runs / "agentopsd-s0-r1" / "warm_start" / "policy-r1.pt").write_text("w")
+    qs.run_one("grpo", 0, tmp_path, tmp_path, "abc", 16, [], repeat=1, command_line="cmd")
+    assert [p.name for p in (runs / "grpo-s0-r1" / "warm_start").iterdir()] == ["policy-r1.pt"]
+    # a repeat of seed 1 never borrows from seed 10's
+    (runs / "agentopsd-s10-r1" / "warm_start").mkdir(parents=True)
+    (runs / "agentopsd-s10-r1" / "warm_start" / "policy-s10.pt").write_text("w")
+    qs.run_one("agentopsd", 1, tmp_path, tmp_path, "abc", 16, [], repeat=1, command_line="cmd")
+    assert not (runs / "agentopsd-s1-r1" / "warm_start").exists()
+    # the folder's finished runs are read back with their seed, repeat and command, once each
+    (runs / "latest").symlink_to(runs / "agentopsd-s0-r1")  # train.py links its newest run
+    rows = qs.finished_rows(tmp_path)
+    assert sorted((r["algorithm"], r["seed"], r["repeat"]) for r in rows) == [("agentopsd", 0, 1), ("agentopsd", 1, 1), ("grpo", 0, 1)]
+    assert {r["command"] for r in rows} == {"cmd"}
