@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -134,6 +135,16 @@ class OptimConfig:
             raise ValueError("optim.kl_clamp, optim.tis_cap and optim.logprob_diff_warning must be >= 0 (0 = off)")
         if self.tis_cap and self.tis_cap < 1:
             raise ValueError(f"optim.tis_cap must be >= 1 (verl's recipes use 2) or 0 (off), got {self.tis_cap}")
+
+    def lr_factor(self, step: int, total_steps: int) -> float:
+        """The learning rate's multiplier at optimizer step ``step`` of ``total_steps``: a linear warm-up over
+        ``warmup_steps``, then constant, or a half cosine from 1 down to ``min_lr_ratio`` at the last step."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 
 import lightning as L
@@ -25,18 +24,21 @@ from torch import Tensor, nn
 from agentopsd import distributed
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
-from agentopsd.credit.losses import aggregate, clipped_policy_loss
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import eval_task_list, pooled_metrics
+from agentopsd.objective import micro_batch_loss
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rng_state import capture, restore
 from agentopsd.rollout import factory
-from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.rollout.prompts import PromptBuilder
-from agentopsd.rollout.scoring import Scorer, engine_gap_metrics, sharing_order
-from agentopsd.rollout.skills import SkillBank
+from agentopsd.rollout.scoring import (
+    Scorer,
+    engine_gap_metrics,
+    sharing_order,
+    tis_applies,
+    warn_on_logprob_gap,
+)
 from agentopsd.strategies import prepare_policy
 from agentopsd.types import RolloutBatch, TaskSpec
 
@@ -109,27 +111,12 @@ class AgentRLModule(L.LightningModule):
         self.optim_cfg, self.eval_cfg = optim, evaluation
         self.num_iterations, self.seed, self.model_path = num_iterations, seed, model_path
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.prompts = PromptBuilder(
-            tokenizer,
-            output_format=env.output_format,
-            history_window=env.history_window,
-            max_prompt_tokens=env.max_prompt_tokens,
-            show_admissible=env.show_admissible,
-            **({"system_prompt": env.system_prompt} if env.system_prompt is not None else {}),
-        )
-        self.skill_bank = SkillBank.for_env(env.skills, max_general=env.skill_max_general) if env.skills else None
+        self.prompts = factory.prompt_builder(tokenizer, env)
+        self.skill_bank = factory.skill_bank(env)
         if algorithm.needs_teacher and self.skill_bank is None:
             raise ValueError(f"algorithm {algorithm.name} needs a teacher view: set env.skills to a SkillBank name")
-        self.sampling = SamplingConfig(
-            max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p, stop_strings=self.prompts.stop_strings
-        )
-        greedy = rollout.eval_temperature == 0
-        self.eval_sampling = SamplingConfig(
-            max_new_tokens=rollout.max_new_tokens,
-            temperature=1.0 if greedy else rollout.eval_temperature,
-            greedy=greedy,
-            stop_strings=self.prompts.stop_strings,
-        )
+        # the rollout's sampling and the evaluation's (greedy unless rollout.eval_temperature > 0)
+        self.sampling, self.eval_sampling = factory.sampling_configs(rollout, self.prompts.stop_strings)
         # A frozen copy of the initial policy, only when the KL penalty is on (it doubles memory). Not a
         # registered submodule: it is not part of the state dict, so no checkpoint carries it; a resumed
         # run rebuilds it from the weights the module is built from (model.path, or the warm start).
@@ -225,24 +212,14 @@ class AgentRLModule(L.LightningModule):
         metrics.update(engine_gap_metrics(backend_gap, rb, self.optim_cfg.tis_cap))
         # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
         self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=_metric_rule)
-        self._warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"))
+        warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
+                            self.iteration, tis_on=self.tis_active)
         return rb
 
     @property
     def tis_active(self) -> bool:
-        """Truncated importance sampling applies: a cap is set and the behaviour log-probs come from an
-        engine other than the trainer's forward (never on the transformers backend, whose are the trainer's)."""
-        return bool(self.optim_cfg.tis_cap > 0 and self.rollout_cfg.backend != "hf" and self.rollout_cfg.recompute_old_logprobs)
-
-    def _warn_on_logprob_gap(self, mean_gap: float | None) -> None:
-        limit = self.optim_cfg.logprob_diff_warning
-        if mean_gap is None or not limit or not mean_gap > limit:
-            return
-        log.warning(
-            "iteration %d: mean |engine - trainer| log-prob difference %.4f exceeds optim.logprob_diff_warning=%g: the "
-            "rollout engine's numerics (or a stale weight sync) part from the trainer's forward%s", self.iteration, mean_gap, limit,
-            "" if self.tis_active else "; optim.tis_cap=2 corrects the update for it (truncated importance sampling)",
-        )
+        """Truncated importance sampling applies (:func:`agentopsd.rollout.scoring.tis_applies`)."""
+        return tis_applies(self.optim_cfg, self.rollout_cfg)
 
     def _place_reference(self) -> None:
         """The frozen reference on the policy's device and dtype (it is not a registered submodule, so
@@ -352,39 +329,14 @@ class AgentRLModule(L.LightningModule):
 
     def _micro_loss(self, batch: RolloutBatch, rows: Tensor, normalizer: float,
                     stats_log: dict[str, list[float]] | None) -> tuple[Tensor, float]:
-        """Every loss term of one micro-batch. Which forwards run depends on the algorithm alone (one
-        student forward, plus a teacher forward when ``needs_teacher_logits``), never on the rows: a dummy
-        pass on a placeholder row issues exactly what a real one does (the rank invariant)."""
-        algo, scorer = self.algorithm, self.scorer
-        mask = batch.action_mask[rows]
-        lp, entropy, s_logits = scorer.logprobs_and_entropy(batch, rows, entropy=algo.entropy_coef > 0,
-                                                            keep_logits=algo.needs_teacher_logits)
-        loss, st = clipped_policy_loss(
-            lp, batch.old_logprobs[rows], batch.advantages[rows], mask,
-            eps_low=algo.eps_low, eps_high=algo.eps_high, aggregation=algo.aggregation, normalizer=normalizer,
-            ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs[rows], kl_coef=algo.kl_coef,
-            clip_ratio_c=self.optim_cfg.clip_ratio_c, kl_clamp=self.optim_cfg.kl_clamp,
-            is_weights=None if batch.is_weights is None else batch.is_weights[rows],
-        )
-        stats = dict(vars(st))
-        logits_term = algo.logits_loss(s_logits, lambda: scorer.teacher_logits(batch, rows), normalizer)
-        if logits_term is not None:  # grpo_opsd: full-vocabulary distillation toward the teacher view
-            loss = loss + logits_term
-        teacher_lp = None if batch.teacher_logprobs is None else batch.teacher_logprobs[rows]
-        extra = algo.token_distill_loss(lp, teacher_lp, batch.old_logprobs[rows], mask, normalizer)
-        if extra is not None:  # SDAR, Skill-SD: a loss on the sampled action tokens
-            loss = loss + extra
-            stats["distill_loss"] = extra.detach()
-        if algo.entropy_coef > 0:  # a bonus: higher entropy lowers the loss
-            mean_entropy = aggregate(entropy, mask, algo.aggregation, normalizer)
-            loss = loss - algo.entropy_coef * mean_entropy
-            stats["entropy"] = mean_entropy.detach()
-        ratio = torch.exp(lp.detach() - batch.old_logprobs[rows])[mask]
+        """Every loss term of one micro-batch (:func:`agentopsd.objective.micro_batch_loss`); the terms' values go
+        to ``stats_log``, each rank's share of a mini-batch-wide term scaled to the whole (see :meth:`update`)."""
+        loss, stats, ratio_dev = micro_batch_loss(self.algorithm, self.optim_cfg, self.scorer, batch, rows, normalizer)
         if stats_log is not None:
-            world = rank_and_world()[1]  # a rank's loss terms are its share of the mini-batch's (see update)
+            world = rank_and_world()[1]
             for k, v in stats.items():
                 stats_log.setdefault(k, []).append(float(v) * (world if k in _SHARED_TERMS else 1))
-        return loss, float((ratio - 1).abs().max()) if ratio.numel() else 0.0
+        return loss, ratio_dev
 
     def _optimizer_step(self, opt, sched, stats_log: dict[str, list[float]]) -> None:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -405,15 +357,7 @@ class AgentRLModule(L.LightningModule):
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         total = max(1, self.num_iterations * cfg.ppo_epochs * cfg.num_mini_batches)
 
-        def factor(step: int) -> float:
-            if step < cfg.warmup_steps:
-                return (step + 1) / cfg.warmup_steps
-            if cfg.schedule == "constant":
-                return 1.0
-            progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor), "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lambda step: cfg.lr_factor(step, total)), "interval": "step"}}
 
     # ------------------------------------------------------------------ evaluation
 

@@ -119,3 +119,30 @@ def rollout_metrics(trajectories: Sequence[Trajectory], collector: Collector) ->
         "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
         "rollout/skill_trimmed": float(collector.prompts.stats.get("skill_trimmed", 0)),
     }
+
+
+def prompt_builder(tokenizer: object, env: EnvConfig) -> PromptBuilder:
+    """The student/teacher prompt views the environment's settings describe."""
+    return PromptBuilder(
+        tokenizer,
+        output_format=env.output_format,
+        history_window=env.history_window,
+        max_prompt_tokens=env.max_prompt_tokens,
+        show_admissible=env.show_admissible,
+        **({"system_prompt": env.system_prompt} if env.system_prompt is not None else {}),
+    )
+
+
+def skill_bank(env: EnvConfig) -> SkillBank | None:
+    """The teacher view's skills (``env.skills``), or None for an environment run without them."""
+    return SkillBank.for_env(env.skills, max_general=env.skill_max_general) if env.skills else None
+
+
+def sampling_configs(rollout: RolloutConfig, stop_strings: tuple[str, ...]) -> tuple[SamplingConfig, SamplingConfig]:
+    """The training rollout's sampling and the evaluation's: greedy at ``eval_temperature`` 0, else sampled at it."""
+    train = SamplingConfig(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p,
+                           stop_strings=stop_strings)
+    greedy = rollout.eval_temperature == 0
+    evaluation = SamplingConfig(max_new_tokens=rollout.max_new_tokens, temperature=1.0 if greedy else rollout.eval_temperature,
+                                greedy=greedy, stop_strings=stop_strings)
+    return train, evaluation

@@ -17,15 +17,19 @@ padding is masked out), so the result equals the plain forward up to float round
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from agentopsd.config import OptimConfig, RolloutConfig
 from agentopsd.credit.losses import token_entropy, token_logprobs, truncated_is_weights
 from agentopsd.distributed import padded
 from agentopsd.types import RolloutBatch
+
+log = logging.getLogger(__name__)
 
 MIN_SHARED_PREFIX = 16
 """A prefix shorter than this is recomputed per row: sharing costs a forward and cache copies."""
@@ -510,3 +514,20 @@ def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: fl
         metrics["rollout/tis_weight_mean"] = float(w.mean())
         metrics["rollout/tis_capped_frac"] = float((w >= tis_cap).float().mean())
     return metrics
+
+
+def tis_applies(optim: OptimConfig, rollout: RolloutConfig) -> bool:
+    """Truncated importance sampling applies: a cap is set and the behaviour log-probs come from an engine
+    other than the trainer's forward (never on the transformers backend, whose are the trainer's)."""
+    return bool(optim.tis_cap > 0 and rollout.backend != "hf" and rollout.recompute_old_logprobs)
+
+
+def warn_on_logprob_gap(mean_gap: float | None, limit: float, iteration: int, *, tis_on: bool) -> None:
+    """One warning when a rollout's mean |engine - trainer| log-prob difference passes ``limit`` (0 = never)."""
+    if mean_gap is None or not limit or not mean_gap > limit:
+        return
+    log.warning(
+        "iteration %d: mean |engine - trainer| log-prob difference %.4f exceeds optim.logprob_diff_warning=%g: the "
+        "rollout engine's numerics (or a stale weight sync) part from the trainer's forward%s", iteration, mean_gap, limit,
+        "" if tis_on else "; optim.tis_cap=2 corrects the update for it (truncated importance sampling)",
+    )

@@ -298,8 +298,34 @@ def test_truncated_importance_sampling_is_off_on_transformers_and_the_gap_warns(
     assert not module.tis_active  # transformers: the behaviour log-probs are the trainer's own
     module.rollout_cfg = dataclasses.replace(module.rollout_cfg, backend="vllm", recompute_old_logprobs=True)
     assert module.tis_active
-    with caplog.at_level(logging.WARNING, logger="agentopsd.module"):
-        module._warn_on_logprob_gap(0.01)
+    from agentopsd.rollout.scoring import warn_on_logprob_gap
+
+    with caplog.at_level(logging.WARNING, logger="agentopsd.rollout.scoring"):
+        warn_on_logprob_gap(0.01, module.optim_cfg.logprob_diff_warning, 3, tis_on=module.tis_active)
         assert not caplog.records
-        module._warn_on_logprob_gap(0.2)
-    assert "0.2000 exceeds optim.logprob_diff_warning=0.05" in caplog.text
+        warn_on_logprob_gap(0.2, module.optim_cfg.logprob_diff_warning, 3, tis_on=module.tis_active)
+    assert "iteration 3: mean |engine - trainer| log-prob difference 0.2000 exceeds optim.logprob_diff_warning=0.05" in caplog.text
+    assert "tis_cap=2 corrects" not in caplog.text  # it is on: no advice to turn it on
+
+
+def test_learning_rate_schedule_by_hand():
+    """Warm-up over 2 steps, then a cosine from 1 to min_lr_ratio 0.1 over the remaining 8 of 10 steps."""
+    from agentopsd.config import OptimConfig
+
+    cfg = OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1)
+    assert [cfg.lr_factor(s, 10) for s in (0, 1)] == [0.5, 1.0]
+    assert cfg.lr_factor(2, 10) == pytest.approx(1.0)
+    assert cfg.lr_factor(6, 10) == pytest.approx(0.55)  # halfway: 0.1 + 0.9 * 0.5
+    assert cfg.lr_factor(10, 10) == pytest.approx(0.1) and cfg.lr_factor(50, 10) == pytest.approx(0.1)
+    assert OptimConfig(lr=1e-3, warmup_steps=4).lr_factor(9, 10) == 1.0  # constant after warm-up
+
+
+def test_sampling_configs_of_the_rollout_and_the_evaluation():
+    from agentopsd.config import RolloutConfig
+    from agentopsd.rollout.factory import sampling_configs
+
+    train, greedy = sampling_configs(RolloutConfig(max_new_tokens=7, temperature=0.7, top_p=0.9), ("</action>",))
+    assert (train.temperature, train.top_p, train.greedy, train.max_new_tokens) == (0.7, 0.9, False, 7)
+    assert greedy.greedy and greedy.stop_strings == ("</action>",) == train.stop_strings
+    _, sampled = sampling_configs(RolloutConfig(eval_temperature=0.4), ())
+    assert (sampled.greedy, sampled.temperature) == (False, 0.4)
