@@ -13,11 +13,11 @@ class EnvConfig:
     id: str
     """Registered Gymnasium id, e.g. ``agentopsd/BabyAI-GoToLocal-v0``."""
     skills: str | None = None
-    """SkillBank name (``agentopsd/skills/<name>.json``) for the teacher view; None = no skills."""
+    """SkillBank name (``agentopsd/rollout/skills/<name>.json``) for the teacher view; None = no skills."""
     skill_max_general: int | None = None
     """Keep only the first N general skills in the teacher view (None = all): short contexts, small models."""
     system_prompt: str | None = None
-    """Replaces the default system prompt of agentopsd.prompts.PromptBuilder."""
+    """Replaces the default system prompt of agentopsd.rollout.prompts.PromptBuilder."""
     max_turns: int = 50
     """Turn limit of an episode (the paper: 50 ALFWorld, 15 WebShop, 4 Search)."""
     invalid_penalty: float = 0.1
@@ -27,7 +27,7 @@ class EnvConfig:
     """The outcome reward R behind A_seq: ``success`` (the success bit, the paper's) or ``score``
     (the environment's graded score, e.g. WebShop's; logged as rollout/score either way)."""
     output_format: str = "action"
-    """``action``, ``think_action`` or ``search_r1`` (see agentopsd.prompts.FORMATS)."""
+    """``action``, ``think_action`` or ``search_r1`` (see agentopsd.rollout.prompts.FORMATS)."""
     history_window: int = 2
     """Past (observation, action) pairs shown in the prompt."""
     max_prompt_tokens: int = 1024
