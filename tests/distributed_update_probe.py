@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# run as a script, its own folder (tests/) comes first on sys.path, where tests/agentopsd/ (the tests'
+# mirror of the package) would shadow the package itself: the repository root takes its place
+sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
