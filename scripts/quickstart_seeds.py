@@ -169,7 +169,9 @@ def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, itera
         with (run_dir / "stdout.log").open("a") as log:
             done = subprocess.run(timer + cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT, env=env)
         wall = time.monotonic() - start
-        rss_mb = int(rss_file.read_text().split()[-1]) / 1024 if timer and rss_file.exists() else float("nan")
+        # a run killed by a signal leaves time's "Command terminated by signal ..." line, not a number
+        words = rss_file.read_text().split() if timer and rss_file.exists() else []
+        rss_mb = int(words[-1]) / 1024 if words and words[-1].isdigit() else float("nan")
         meta = {"commit": commit, "wall_s": meta.get("wall_s", 0.0) + wall, "resumed": meta.get("resumed", 0) + resume,
                 "peak_rss_mb": max(meta.get("peak_rss_mb", 0.0), rss_mb) if rss_mb == rss_mb else meta.get("peak_rss_mb"),
                 "algorithm": algorithm, "seed": seed, "repeat": repeat, "iterations": iterations, "overrides": list(extra),
