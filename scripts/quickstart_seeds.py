@@ -8,7 +8,10 @@ Every run is the embedded default exactly as a user starts it, with only the see
 swapped: ``train.py seed=S algorithm=A output_dir=<out>/runs/<A>-s<S>``, its own warm start
 included (a run of the same seed and repeat made earlier lends its cached demonstrations and weights,
 so the algorithms of one repeat start from the same weights). Two runs at a time (``--jobs``), one
-thread each, as on a 2-core CPU.
+thread each, as on a 2-core CPU. ``--threads 0`` runs each as a user's ``python train.py`` does, with
+train.py's own thread count (min(4, cores)) and OpenMP's default wait policy: with ``--jobs 1`` on an
+otherwise idle machine, that is the newcomer's run and its wall time (runs named ``<A>-s<S>-t<N>``,
+N the thread count, so they stand beside the one-thread runs).
 
 ``--repeats N`` runs each seed N times, each repeat in its own folder (``<A>-s<S>`` for the first,
 ``<A>-s<S>-r<K>`` for the others) with its own warm start trained anew, nothing lent from another
@@ -126,18 +129,25 @@ def command(algorithm: str, seed: int, run_dir: Path, iterations: int, resume: b
     return cmd + (["ckpt_path=last"] if resume else []) + extra
 
 
-def run_name(algorithm: str, seed: int, repeat: int = 0) -> str:
-    """``<A>-s<S>`` for a seed's first run, ``<A>-s<S>-r<K>`` for its repeat K (K >= 1)."""
-    return f"{algorithm}-s{seed}" + (f"-r{repeat}" if repeat else "")
+def run_name(algorithm: str, seed: int, repeat: int = 0, threads: int = 1) -> str:
+    """``<A>-s<S>`` for a seed's first run, ``<A>-s<S>-r<K>`` for its repeat K (K >= 1), ``-t<N>`` after
+    either for runs with N threads (N != 1): another thread count sums in another order, so it is another run."""
+    return f"{algorithm}-s{seed}" + (f"-r{repeat}" if repeat else "") + (f"-t{threads}" if threads != 1 else "")
 
 
-def lend_warm_start(run_dir: Path, seed: int, runs_root: Path, repeat: int = 0) -> None:
+def effective_threads(threads: int) -> int:
+    """``--threads 0`` is train.py's own default, min(4, cores)."""
+    return threads or min(4, os.cpu_count() or 1)
+
+
+def lend_warm_start(run_dir: Path, seed: int, runs_root: Path, repeat: int = 0, threads: int = 1) -> None:
     """Copy the cached warm start of an earlier run of this seed and repeat (another algorithm's): the same
     demonstrations and weights for every algorithm of one repeat; never another repeat's, so repeats stay independent."""
     target = run_dir / "warm_start"
     if any(target.glob("policy-*.pt")):
         return
-    for other in sorted(runs_root.glob(f"*-s{seed}{f'-r{repeat}' if repeat else ''}/warm_start")):
+    suffix = run_name("", seed, repeat, threads)  # "-s<S>[-r<K>][-t<N>]": this seed, repeat and thread count only
+    for other in sorted(runs_root.glob(f"*{suffix}/warm_start")):
         if other != target and any(other.glob("policy-*.pt")):
             target.mkdir(parents=True, exist_ok=True)
             for cached in other.iterdir():
@@ -147,8 +157,11 @@ def lend_warm_start(run_dir: Path, seed: int, runs_root: Path, repeat: int = 0) 
 
 
 def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, iterations: int, extra: list[str],
-            repeat: int = 0, command_line: str = "") -> dict:
-    run_dir = out / "runs" / run_name(algorithm, seed, repeat)
+            repeat: int = 0, command_line: str = "", threads: int = 1, jobs: int = 2) -> dict:
+    """Train (or resume, or read back) one run; ``threads`` 0 runs it with train.py's own thread count and
+    OpenMP's default wait policy, as a user's ``python train.py`` does."""
+    n_threads = effective_threads(threads)
+    run_dir = out / "runs" / run_name(algorithm, seed, repeat, n_threads)
     meta_path = run_dir / "meta.json"
     if not is_finished(run_dir, iterations):
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
@@ -159,12 +172,17 @@ def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, itera
                     if child.name != "warm_start":
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
             meta = {}
-            lend_warm_start(run_dir, seed, out / "runs", repeat)
+            lend_warm_start(run_dir, seed, out / "runs", repeat, n_threads)
         run_dir.mkdir(parents=True, exist_ok=True)
         rss_file = run_dir / "peak_rss_kb"
         cmd = command(algorithm, seed, run_dir, iterations, resume, extra)
         timer = ["/usr/bin/time", "-f", "%M", "-o", str(rss_file)] if Path("/usr/bin/time").exists() else []
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "HYDRA_FULL_ERROR": "1"}
+        env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+        if threads:  # several runs side by side: pinned threads that sleep when idle, not spin
+            env.update(OMP_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE")
+        else:  # exactly the user's environment: train.py picks the thread count
+            env.pop("OMP_NUM_THREADS", None)
+            env.pop("OMP_WAIT_POLICY", None)
         start = time.monotonic()
         with (run_dir / "stdout.log").open("a") as log:
             done = subprocess.run(timer + cmd, cwd=code, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -175,6 +193,7 @@ def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, itera
         meta = {"commit": commit, "wall_s": meta.get("wall_s", 0.0) + wall, "resumed": meta.get("resumed", 0) + resume,
                 "peak_rss_mb": max(meta.get("peak_rss_mb", 0.0), rss_mb) if rss_mb == rss_mb else meta.get("peak_rss_mb"),
                 "algorithm": algorithm, "seed": seed, "repeat": repeat, "iterations": iterations, "overrides": list(extra),
+                "threads": n_threads, "jobs": jobs,
                 "command": meta.get("command") or command_line}
         meta_path.write_text(json.dumps(meta))
         if done.returncode != 0 or not is_finished(run_dir, iterations):
@@ -200,6 +219,8 @@ def run_row(algorithm: str, seed: int, run_dir: Path, iterations: int, repeat: i
     evals = evaluations(rows)
     meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() else {}
     row: dict = {"seed": seed, "repeat": repeat, "algorithm": algorithm, "commit": meta.get("commit", ""), "iterations": iterations,
+                 # runs made before --threads existed ran one thread each, two at a time
+                 "threads": meta.get("threads", 1), "jobs": meta.get("jobs", 2),
                  "success_warm_start": evals.get(0, float("nan")), "success_end": evals[iterations],
                  "command": meta.get("command", ""), "overrides": " ".join(meta.get("overrides", []))}
     row.update({f"eval_it{k}": v for k, v in sorted(evals.items())})
@@ -239,20 +260,32 @@ def _seeds_text(seeds: list[int]) -> str:
     return ", ".join(str(s) for s in seeds)
 
 
+def _setup_text(rows: list[dict]) -> str:
+    """How the runs of a group shared the machine: threads per run and runs at a time."""
+    threads = rows[0].get("threads", 1)
+    jobs = sorted({r.get("jobs", 2) for r in rows})
+    at_once = "one at a time" if jobs == [1] else f"{'/'.join(map(str, jobs))} at a time"
+    return f"{threads} thread{'s' if threads != 1 else ''}, {at_once}"
+
+
 def spread_groups(rows: list[dict]) -> list[tuple[str, list[dict]]]:
-    """The groups the summary compares: run to run (every repeat of a seed run more than once) and
-    seed to seed (the first run of each seed), or the one run of one seed."""
-    seeds = sorted({r["seed"] for r in rows})
+    """The groups the summary compares, for each thread count: run to run (every repeat of a seed run
+    more than once) and seed to seed (the first run of each seed), or the one run of one seed."""
     groups = []
-    for seed in seeds:
-        repeats = [r for r in rows if r["seed"] == seed]
-        if len({r.get("repeat", 0) for r in repeats}) > 1:
-            groups.append((f"run to run: seed {seed}, {len(repeats)} runs", repeats))
-    first = [r for r in rows if not r.get("repeat", 0)]
-    if len(seeds) > 1 or not groups:
-        groups.append((f"seed to seed: seed{'s' if len(seeds) > 1 else ''} {_seeds_text(seeds)}"
-                       + (", first run of each" if groups else ""), first))
-    return [(name, group) for name, group in groups if group]
+    for threads in sorted({r.get("threads", 1) for r in rows}):
+        these = [r for r in rows if r.get("threads", 1) == threads]
+        seeds = sorted({r["seed"] for r in these})
+        own = []
+        for seed in seeds:
+            repeats = [r for r in these if r["seed"] == seed]
+            if len({r.get("repeat", 0) for r in repeats}) > 1:
+                own.append((f"run to run: seed {seed}, {len(repeats)} runs; {_setup_text(repeats)}", repeats))
+        first = [r for r in these if not r.get("repeat", 0)]
+        if first and (len(seeds) > 1 or not own):
+            own.append((f"seed to seed: seed{'s' if len(seeds) > 1 else ''} {_seeds_text(seeds)}"
+                        + (", first run of each" if own else "") + f"; {_setup_text(first)}", first))
+        groups += own
+    return groups
 
 
 def checkpoint_iteration(eval_its: list[int], iterations: int) -> int | None:
@@ -266,8 +299,8 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
     seed-to-seed spreads (runs at the target, at the end and two thirds of the way; mean; minimum)."""
     algorithms = [a for a in algorithms if any(r["algorithm"] == a for r in rows)] + \
         sorted({r["algorithm"] for r in rows} - set(algorithms))
-    by = {(r["algorithm"], r["seed"], r.get("repeat", 0)): r for r in rows}
-    runs = sorted({(r["seed"], r.get("repeat", 0)) for r in rows})
+    by = {(r["algorithm"], r["seed"], r.get("repeat", 0), r.get("threads", 1)): r for r in rows}
+    runs = sorted({(r.get("threads", 1), r["seed"], r.get("repeat", 0)) for r in rows})
     commits = sorted({r["commit"] for r in rows if r.get("commit")})
     commands = list(dict.fromkeys(r.get("command") or command_line for r in sorted(rows, key=lambda r: (r.get("repeat", 0) == 0, r["seed"]))))
     overrides = sorted({r.get("overrides", "") for r in rows} - {""})
@@ -275,23 +308,23 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
     early = checkpoint_iteration(eval_its, iterations)
     lines = [f"Quickstart (`python train.py`) over seeds and repeated runs: greedy evaluation success (%) on the fixed "
              f"evaluation list after 0 (the warm start) / {' / '.join(str(i) for i in eval_its if i)} RL iterations; "
-             f"wall time and peak memory (RSS) per run, two runs at a time with one thread each on a 2-core CPU. "
-             f"A repeat is the same seed run again from scratch, its warm start trained anew.", ""]
+             f"wall time and peak memory (RSS) per run on a 2-core CPU (threads per run and runs at a time in the "
+             f"summary). A repeat is the same seed run again from scratch, its warm start trained anew.", ""]
     lines += [f"Command{'s' if len(commands) > 1 else ''}: " + "; ".join(f"`{c}`" for c in commands) + "  ",
               f"Commit: {', '.join(c[:12] for c in commits) or 'unknown'}" + ("  " if overrides else "")]
     if overrides:
         lines.append(f"Overrides: {'; '.join(f'`{o}`' for o in overrides)}")
     lines.append("")
-    head = ["seed", "repeat"] + [f"{a}: {' → '.join(str(i) for i in eval_its)}" for a in algorithms] + \
+    head = ["seed", "repeat", "threads"] + [f"{a}: {' → '.join(str(i) for i in eval_its)}" for a in algorithms] + \
         [f"{a} s / MB" for a in algorithms]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for seed, repeat in runs:
-        cells = [str(seed), str(repeat)]
+    for threads, seed, repeat in runs:
+        cells = [str(seed), str(repeat), str(threads)]
         for a in algorithms:
-            r = by.get((a, seed, repeat))
+            r = by.get((a, seed, repeat, threads))
             cells.append(" → ".join(_pct(r.get(f"eval_it{i}", float("nan"))) for i in eval_its) if r else "")
         for a in algorithms:
-            r = by.get((a, seed, repeat))
+            r = by.get((a, seed, repeat, threads))
             lent = "" if not r or r.get("warm_start_trained", 1) else "*"
             cells.append(f"{r['wall_s']:.0f}{lent} / {r['peak_rss_mb']:.0f}{lent}" if r else "")
         lines.append("| " + " | ".join(cells) + " |")
@@ -324,23 +357,24 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
     # how large the updates are, and whether the credit's evidence tracks the outcome
     lines += ["", "Per run, means over the RL iterations: training success (%; first and last 4 iterations), gradient "
                   "norm, approximate KL of the update, clip fraction, correlation of the credit's evidence with the outcome.", "",
-              "| algorithm | seed | repeat | train success | first 4 | last 4 | grad norm | approx KL | clip frac | evidence-outcome corr |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (algorithms.index(r["algorithm"]), r["seed"], r.get("repeat", 0))):
+              "| algorithm | seed | repeat | threads | train success | first 4 | last 4 | grad norm | approx KL | clip frac "
+              "| evidence-outcome corr |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (algorithms.index(r["algorithm"]), r.get("threads", 1), r["seed"], r.get("repeat", 0))):
         train = [float(v) for v in str(r.get("rollout_success_by_it", "")).split()]
         cells = [_pct(statistics.fmean(train)), _pct(statistics.fmean(train[:4])), _pct(statistics.fmean(train[-4:]))] \
             if train else ["", "", ""]
         cells += [f"{r[k]:.3g}" if k in r else "" for k in
                   ("loss_grad_norm_mean", "loss_approx_kl_mean", "loss_clip_frac_mean", "credit_evidence_outcome_corr_mean")]
-        lines.append(f"| {r['algorithm']} | {r['seed']} | {r.get('repeat', 0)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['algorithm']} | {r['seed']} | {r.get('repeat', 0)} | {r.get('threads', 1)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_results(rows: list[dict], out: Path, algorithms: list[str], iterations: int, command_line: str) -> None:
     order = {a: i for i, a in enumerate(algorithms)}
-    rows = sorted(rows, key=lambda r: (r["seed"], r.get("repeat", 0), order.get(r["algorithm"], 99), r["algorithm"]))
+    rows = sorted(rows, key=lambda r: (r.get("threads", 1), r["seed"], r.get("repeat", 0), order.get(r["algorithm"], 99),
+                                       r["algorithm"]))
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    fixed = ["seed", "repeat", "algorithm", "commit", "iterations", "success_warm_start", "success_end"]
+    fixed = ["seed", "repeat", "threads", "algorithm", "commit", "iterations", "success_warm_start", "success_end"]
     keys = fixed + sorted((k for k in keys if k.startswith("eval_it")), key=lambda k: int(k[7:])) + \
         [k for k in keys if k not in fixed and not k.startswith("eval_it")]
     with (out / "runs.csv").open("w", newline="") as f:
@@ -357,7 +391,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each seed, each from scratch (its own warm start): the run-to-run spread")
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="threads per run; 0: train.py's own default (min(4, cores)) and OpenMP's default wait policy, "
+                             "as a user's `python train.py` runs (use with --jobs 1 on an idle machine)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "quickstart_seeds")
     parser.add_argument("--code", type=Path, default=None,
                         help="train from this checkout instead of an export of HEAD (e.g. . for uncommitted edits)")
@@ -366,6 +403,8 @@ def main(argv: list[str] | None = None) -> None:
     seeds = parse_seeds(args.seeds)
     if args.repeats < 1:
         raise SystemExit(f"--repeats: {args.repeats}; give 1 or more")
+    if args.threads < 0:
+        raise SystemExit(f"--threads: {args.threads}; give 1 or more, or 0 for train.py's own default")
     args.out = args.out.resolve()  # the runs' working directory is the exported code, not here
     args.out.mkdir(parents=True, exist_ok=True)
     commit = head_commit()
@@ -380,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def one(job: tuple[str, int, int]) -> None:
         try:
-            row = run_one(job[0], job[1], args.out, code, commit, args.iterations, args.overrides, job[2], command_line)
+            row = run_one(job[0], job[1], args.out, code, commit, args.iterations, args.overrides, job[2], command_line,
+                          threads=args.threads, jobs=args.jobs)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)

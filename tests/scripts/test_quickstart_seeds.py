@@ -58,11 +58,14 @@ def test_bootstrap_interval_stays_inside_the_values(qs) -> None:
     assert qs.bootstrap_interval([1.0] * 5) == (1.0, 1.0)
 
 
-def _fake_train(qs, monkeypatch, calls: list[list[str]], finish: bool) -> None:
+def _fake_train(qs, monkeypatch, calls: list[list[str]], finish: bool, envs: list[dict] | None = None) -> None:
     """Stand in for train.py: record the command and write the log a finished (or cut short) run leaves."""
     def run(cmd, cwd, stdout, stderr, env):
         calls.append(cmd)
-        assert env["OMP_NUM_THREADS"] == "1"
+        if envs is None:
+            assert env["OMP_NUM_THREADS"] == "1"
+        else:
+            envs.append(env)
         run_dir = Path(next(a for a in cmd if a.startswith("output_dir=")).split("=", 1)[1])
         version = len(list((run_dir / "csv").glob("version_*")))
         _write_log(run_dir, version, {0: 0.0, 16: 0.9} if finish else {0: 0.0}, [0.25, 0.5])
@@ -116,19 +119,19 @@ def test_table_shows_algorithms_side_by_side_and_the_target_count(qs, tmp_path: 
     rows[0].update(warm_start_trained=0, wall_s=50.0, peak_rss_mb=800.0)  # grpo seed 1 loaded seed 1's warm start
     qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "python scripts/quickstart_seeds.py --seeds 0-1")
     table = (tmp_path / "table.md").read_text()
-    assert "| 0 | 0 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
-    assert "| 1 | 0 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* loaded its warm start" in table
+    assert "| 0 | 0 | 1 | 0 → 48 → 96 | 0 → 40 → 81 | 400 / 1900 | 400 / 1900 |" in table
+    assert "| 1 | 0 | 1 | 0 → 2 → 4 | 0 → 25 → 50 | 401 / 1900 | 50* / 800* |" in table and "\\* loaded its warm start" in table
     # seed to seed only (no seed repeated); iteration 8 is the last evaluation within two thirds of 16
     assert "≥ 80% at iteration 8" in table
     # the run that loaded its warm start is left out of time and memory
-    assert "| grpo | seed to seed: seeds 0, 1 | 1 / 2 | 0 / 2 | 66 [50, 81] | 50 | 0 | 400 (400) | 1900 |" in table
-    assert "| agentopsd | seed to seed: seeds 0, 1 | 1 / 2 | 0 / 2 | 50 [4, 96] | 4 |" in table
-    assert "| agentopsd | 0 | 0 | 50 | 25 | 75 |  | 0.0125 |  |  |" in table  # first and last 4 of 6 iterations
+    assert "| grpo | seed to seed: seeds 0, 1; 1 thread, 2 at a time | 1 / 2 | 0 / 2 | 66 [50, 81] | 50 | 0 | 400 (400) | 1900 |" in table
+    assert "| agentopsd | seed to seed: seeds 0, 1; 1 thread, 2 at a time | 1 / 2 | 0 / 2 | 50 [4, 96] | 4 |" in table
+    assert "| agentopsd | 0 | 0 | 1 | 50 | 25 | 75 |  | 0.0125 |  |  |" in table  # first and last 4 of 6 iterations
     assert "Commit: 0123456789ab" in table and "--seeds 0-1" in table
     with (tmp_path / "runs.csv").open() as f:
         read = list(csv.DictReader(f))
     assert [(r["seed"], r["algorithm"]) for r in read] == [("0", "agentopsd"), ("0", "grpo"), ("1", "agentopsd"), ("1", "grpo")]
-    assert list(read[0])[:10] == ["seed", "repeat", "algorithm", "commit", "iterations", "success_warm_start", "success_end",
+    assert list(read[0])[:11] == ["seed", "repeat", "threads", "algorithm", "commit", "iterations", "success_warm_start", "success_end",
                                   "eval_it0", "eval_it8", "eval_it16"]
 
 
@@ -143,12 +146,12 @@ def test_table_puts_run_to_run_beside_seed_to_seed(qs, tmp_path: Path) -> None:
     qs.write_results(repeats + seeds, tmp_path, ["agentopsd"], 16, "unused")
     table = (tmp_path / "table.md").read_text()
     assert "`python scripts/quickstart_seeds.py --seeds 0 --repeats 4`; `python scripts/quickstart_seeds.py --seeds 0-2`" in table
-    assert "| 0 | 3 | 0 → 90 → 85 | 403 / 1900 |" not in table  # wall: 400 + seed, not + repeat
-    assert "| 0 | 3 | 0 → 90 → 85 | 400 / 1900 |" in table
+    assert "| 0 | 3 | 1 | 0 → 90 → 85 | 403 / 1900 |" not in table  # wall: 400 + seed, not + repeat
+    assert "| 0 | 3 | 1 | 0 → 90 → 85 | 400 / 1900 |" in table
     run_to_run = next(line for line in table.splitlines() if "run to run: seed 0, 4 runs" in line)
-    assert run_to_run.startswith("| agentopsd | run to run: seed 0, 4 runs | 3 / 4 | 4 / 4 | 80 [") and "| 50 |" in run_to_run
+    assert run_to_run.startswith("| agentopsd | run to run: seed 0, 4 runs; 1 thread, 2 at a time | 3 / 4 | 4 / 4 | 80 [") and "| 50 |" in run_to_run
     seed_to_seed = next(line for line in table.splitlines() if "seed to seed: seeds 0-2, first run of each" in line)
-    assert seed_to_seed.startswith("| agentopsd | seed to seed: seeds 0-2, first run of each | 3 / 3 | 1 / 3 | 96 [")
+    assert seed_to_seed.startswith("| agentopsd | seed to seed: seeds 0-2, first run of each; 1 thread, 2 at a time | 3 / 3 | 1 / 3 | 96 [")
     assert "| 95 |" in seed_to_seed
 
 
@@ -176,3 +179,32 @@ def test_repeats_train_their_own_warm_start_and_lend_only_within_a_repeat(qs, tm
     rows = qs.finished_rows(tmp_path)
     assert sorted((r["algorithm"], r["seed"], r["repeat"]) for r in rows) == [("agentopsd", 0, 1), ("agentopsd", 1, 1), ("grpo", 0, 1)]
     assert {r["command"] for r in rows} == {"cmd"}
+
+
+def test_threads_zero_runs_as_a_user_does_and_stands_beside_one_thread_runs(qs, tmp_path: Path, monkeypatch) -> None:
+    """--threads 0: train.py's own thread count and OpenMP's default policy, in its own folder and summary rows."""
+    calls: list[list[str]] = []
+    envs: list[dict] = []
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(qs.os, "cpu_count", lambda: 2)
+    _fake_train(qs, monkeypatch, calls, finish=True, envs=envs)
+    runs = tmp_path / "runs"
+    (runs / "agentopsd-s0" / "warm_start").mkdir(parents=True)
+    (runs / "agentopsd-s0" / "warm_start" / "policy-one-thread.pt").write_text("w")
+    for k in range(2):
+        qs.run_one("agentopsd", 0, tmp_path, tmp_path, "abc", 16, [], repeat=k, command_line="cmd", threads=0, jobs=1)
+    assert "OMP_NUM_THREADS" not in envs[-1] and "OMP_WAIT_POLICY" not in envs[-1]
+    assert "output_dir=" + str((runs / "agentopsd-s0-r1-t2").resolve()) in calls[-1]
+    assert not (runs / "agentopsd-s0-t2" / "warm_start").exists()  # never the one-thread run's warm start
+    qs.run_one("agentopsd", 0, tmp_path, tmp_path, "abc", 16, [], command_line="cmd", threads=1)
+    assert envs[-1]["OMP_NUM_THREADS"] == "1" and envs[-1]["OMP_WAIT_POLICY"] == "PASSIVE"
+    rows = qs.finished_rows(tmp_path)
+    assert sorted((r["seed"], r["repeat"], r["threads"], r["jobs"]) for r in rows) == [(0, 0, 1, 2), (0, 0, 2, 1), (0, 1, 2, 1)]
+    qs.write_results(rows, tmp_path, ["agentopsd"], 16, "cmd")
+    table = (tmp_path / "table.md").read_text()
+    assert "| agentopsd | run to run: seed 0, 2 runs; 2 threads, one at a time | 2 / 2 |" in table
+    assert "| agentopsd | seed to seed: seed 0; 1 thread, 2 at a time | 1 / 1 |" in table
+    assert "| 0 | 1 | 2 | 0 → 90 |" in table
+    with pytest.raises(SystemExit, match="--threads"):
+        qs.main(["--threads", "-1", "--out", str(tmp_path)])
