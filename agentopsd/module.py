@@ -39,6 +39,7 @@ from agentopsd.rollout.scoring import (
     tis_applies,
     warn_on_logprob_gap,
 )
+from agentopsd.runs import reopen_finished_epoch
 from agentopsd.strategies import prepare_policy
 from agentopsd.types import RolloutBatch, TaskSpec
 
@@ -420,3 +421,4 @@ class AgentRLModule(L.LightningModule):
         self.eval_history = list(extra.get("eval_history", []))
         self.iteration = int(extra.get("iteration", 0))
         self.iterations_done = int(extra.get("iterations_done", 0))
+        reopen_finished_epoch(checkpoint, self.iterations_done, self.num_iterations)

@@ -224,6 +224,29 @@ def warm_start_dir(output_dir: Path, runs_dir: Path) -> Path:
     return runs_dir / "warm_start" if output_dir.parent.resolve() == runs_dir.resolve() else output_dir / "warm_start"
 
 
+def reopen_finished_epoch(checkpoint: dict, done: int, planned: int) -> bool:
+    """Let a finished run train on to a larger ``num_iterations`` when resumed (``ckpt_path=last``).
+
+    A run is one Lightning epoch of ``num_iterations`` batches. Its last checkpoint is written at the
+    last batch's end, after the task stream ran out, so Lightning's loop state says "last batch"
+    and a resume would close the epoch and stop at ``max_epochs=1``, training nothing. When the
+    checkpoint holds fewer iterations than now planned, clearing that flag makes the checkpoint read
+    like one cut short at that iteration: the stream (restored at its position, len now ``planned``)
+    yields the same tasks a run planned that long from the start would have. The learning-rate
+    schedule is rebuilt for the new total at the restored step (as Hugging Face's and torchtune's
+    resumes do): a cosine decay that had reached its end resumes from where the longer plan puts that step.
+    Returns whether the checkpoint was changed (in place, before Lightning restores its loops).
+    """
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not progress or not progress.get("is_last_batch") or done >= planned:
+        return False
+    progress["is_last_batch"] = False
+    logging.getLogger(__name__).info(
+        "resuming a finished run of %d iterations to num_iterations=%d: same task stream, learning-rate schedule "
+        "rebuilt for %d iterations", done, planned, planned)
+    return True
+
+
 # ------------------------------------------------------------------ the closing summary
 
 

@@ -20,6 +20,11 @@ def validate_config(cfg: DictConfig) -> None:
     if env_id not in gym.registry:
         known = sorted(k for k in gym.registry if k.startswith("agentopsd/"))
         raise ConfigError(f"env.id={env_id!r} is not registered; choose one of {known} (or env=<babyai|alfworld|webshop|searchqa>)")
+    from agentopsd.envs.base import missing_requirement
+
+    missing = missing_requirement(env_id)  # before anything builds: a missing extra is a one-line fix, not a traceback
+    if missing:
+        raise ConfigError(f"env.id={env_id}: {missing}")
     if cfg.data.group_size < 2:  # every algorithm here takes GRPO's group-relative advantage
         raise ConfigError(f"data.group_size={cfg.data.group_size}: GRPO-family advantages need groups of >= 2 copies; set data.group_size=8")
     if cfg.data.tasks_per_batch < 1:

@@ -8,6 +8,7 @@ implements it and registers its ids (see the README's "Adding an environment"). 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import string
 from typing import Any, Protocol, runtime_checkable
 
@@ -52,7 +53,9 @@ class TextEnv(Protocol):
     - ``thread_safe_step``: False when ``step`` must not run on a worker thread while other instances step or the
       trainer generates (it touches interpreter-wide state); :class:`agentopsd.envs.runner.BatchedRunner` then steps
       inline whatever ``env.num_threads`` says, and ``rollout.overlap_waves`` falls back to serial turns (optional,
-      default True: instances share nothing).
+      default True: instances share nothing);
+    - ``requires``: ``(modules, install hint)`` when the env needs packages outside the core install (an optional
+      extra): ``train.py`` checks them before any work and stops in one line with the hint (optional, default none).
     """
 
     num_tasks: int
@@ -81,6 +84,20 @@ def steps_thread_safe(env: object) -> bool:
     """May ``env`` (an instance, wrapped or not, or a class) step on a worker thread (``TextEnv.thread_safe_step``)?"""
     raw = env if isinstance(env, type) else getattr(env, "unwrapped", env)  # on a class, ``unwrapped`` is a property object
     return bool(getattr(raw, "thread_safe_step", True))
+
+
+def missing_requirement(env_id: str) -> str | None:
+    """The install hint of ``env_id``'s ``requires`` when one of its modules is not importable here, else None;
+    found by the import system without importing the module (a heavy engine stays unloaded)."""
+    modules, hint = getattr(env_class(env_id), "requires", ((), ""))
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a broken or blocked install counts as missing
+            found = False
+        if not found:
+            return hint or f"{env_id} needs the {module} package"
+    return None
 
 
 def has_state_snapshot(env_id: str) -> bool:

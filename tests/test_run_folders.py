@@ -105,6 +105,18 @@ def test_summary_of_a_finished_run_resumed():
     assert text.startswith("nothing trained") and "completed 3 iterations of 3" in text
 
 
+def test_a_finished_runs_epoch_reopens_only_for_a_larger_num_iterations():
+    def checkpoint(last: bool) -> dict:
+        return {"loops": {"fit_loop": {"epoch_loop.batch_progress": {"is_last_batch": last, "current": {"ready": 2}}}}}
+
+    finished = checkpoint(last=True)
+    assert runs.reopen_finished_epoch(finished, done=2, planned=12)
+    assert finished["loops"]["fit_loop"]["epoch_loop.batch_progress"] == {"is_last_batch": False, "current": {"ready": 2}}
+    for ckpt, done, planned in [(checkpoint(True), 2, 2), (checkpoint(True), 4, 2), (checkpoint(False), 1, 12), ({}, 2, 12)]:
+        before = repr(ckpt)
+        assert not runs.reopen_finished_epoch(ckpt, done=done, planned=planned) and repr(ckpt) == before
+
+
 def test_summary_of_a_run_resumed_midway():
     text = runs.summary(_evals((0, 0.0), (2, 0.5), (4, 0.75)), trained=2, done=4, planned=4)
     assert "trained 2 iterations (3-4), resumed after 2" in text and "after 4 iterations" in text

@@ -124,6 +124,35 @@ def test_resume_continues_the_task_stream(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_finished_run_trains_on_to_a_larger_num_iterations(tmp_path):
+    """`ckpt_path=last num_iterations=4` on a finished 2-iteration run: iterations 3-4 in the same folder, on the
+    tasks and at the learning rates a run planned for 4 iterations has there (cosine: the schedule is rebuilt)."""
+    common = ["experiment=babyai_tiny", "trainer.enable_progress_bar=false", "evaluation.num_tasks=2", "report=false",
+              "optim.schedule=cosine"]
+    straight, extended = tmp_path / "straight", tmp_path / "extended"
+    run_train(*common, f"output_dir={straight}", "num_iterations=4")
+    first = run_train(*common, f"output_dir={extended}", "num_iterations=2")
+    assert "trained" not in first.stdout.split("eval success")[0].splitlines()[-1]  # a plain 2-iteration run
+    proc = run_train(*common, f"output_dir={extended}", "num_iterations=4", "ckpt_path=last")
+    assert "trained 2 iterations (3-4), resumed after 2" in proc.stdout and "after 4 iterations" in proc.stdout
+    assert "nothing trained" not in proc.stdout
+    assert list(shard_records(extended)) == [f"rollouts-00000{i}.tar" for i in range(1, 5)]
+    rows = {name: [r for r in metrics_rows(out) if r.get("rollout/iteration")] for name, out in
+            (("straight", straight), ("extended", extended))}
+    assert [int(float(r["rollout/iteration"])) for r in rows["extended"]] == [1, 2, 3, 4]
+    lr = {name: [float(r["loss/lr"]) for r in got] for name, got in rows.items()}
+    assert lr["extended"][2:] == pytest.approx(lr["straight"][2:], rel=1e-6)  # the 4-iteration plan from step 4 on
+    assert lr["extended"][1] < lr["straight"][1]  # while iteration 2 ran on the 2-iteration plan's decay
+    for it in (3, 4):  # the same tasks as the straight run's
+        name = f"rollouts-00000{it}.tar"
+        assert {(r["group"], r["task_index"]) for r in shard_records(extended)[name]} == \
+            {(r["group"], r["task_index"]) for r in shard_records(straight)[name]}
+    # the end evaluation ran again, at 4 iterations, beside the first run's at 2
+    evals = [int(float(r["eval/iteration"])) for r in metrics_rows(extended) if r.get("eval/iteration")]
+    assert evals[-1] == 4 and 2 in evals
+
+
+@pytest.mark.slow
 def test_shortened_quickstart_writes_the_report(tmp_path):
     """`python train.py` (the quickstart) cut to a couple of iterations: warm start, RL, report."""
     root = tmp_path / "quickstart"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import gymnasium as gym
 import pytest
 
 from agentopsd.validation import ConfigError, validate_config
@@ -93,6 +94,50 @@ def test_train_py_fails_in_one_line(overrides, tmp_path):
     full = subprocess.run([sys.executable, "train.py", *overrides, f"output_dir={tmp_path}"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+BLOCK_ALFWORLD = """
+import sys
+
+
+class _Missing:  # as if the alfworld extra were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("alfworld", "textworld"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Missing())
+"""
+
+
+def test_a_missing_environment_extra_fails_in_one_line_before_any_work(tmp_path):
+    """`python train.py env=alfworld` without the extra: the install hint in one line, before the tokenizer is built."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_ALFWORLD)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "site")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "train.py", "env=alfworld", "num_iterations=2", f"runs_dir={tmp_path / 'runs'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    assert errors == ["error: env.id=agentopsd/ALFWorld-v0: the ALFWorld environment needs the alfworld extra: "
+                      "pip install 'agentopsd[alfworld]'"], proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and time.perf_counter() - t0 < 60  # no tokenizer, no demonstrations
+
+
+def test_every_registered_environment_s_requirements_are_checked(monkeypatch):
+    from agentopsd.envs import base
+
+    ids = [i for i in gym.registry if i.startswith("agentopsd/")]
+    assert all(base.missing_requirement(i) is None for i in ids)  # this install has every extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "textworld" else real(name, *a))
+    assert "pip install 'agentopsd[alfworld]'" in base.missing_requirement("agentopsd/ALFWorld-v0")
+    assert base.missing_requirement("agentopsd/BabyAI-PickupObj-v0") is None  # core install only
+    with pytest.raises(ConfigError, match=r"^env.id=agentopsd/ALFWorld-v0: .*agentopsd\[alfworld\]"):
+        validate_config(_resolve(cfg_for("experiment=none", "env=alfworld")))
 
 
 def test_a_config_value_cannot_run_code(tmp_path):

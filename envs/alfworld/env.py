@@ -16,6 +16,7 @@ from gymnasium.error import ResetNeeded
 from agentopsd.envs.alfworld.data import EVAL_SPLITS, official_games, resolve_data_dir
 from agentopsd.envs.alfworld.engine import (
     FALLBACK_ACTION,
+    INSTALL_HINT,
     expert_rng,
     load_engine,
     play_expert,
@@ -212,6 +213,9 @@ class ALFWorldEnv(gym.Env[str, str]):
             "action_valid": action_valid,
             "gamefile": str(self._loaded),
         }
+
+    requires = (("alfworld", "textworld"), INSTALL_HINT)
+    """Checked before any work (the tokenizer, the warm start): the engine itself is imported on first use."""
 
     thread_safe_step = False
     """Not on worker threads: every reset and step runs the engine inside ``private_random``, which swaps the
