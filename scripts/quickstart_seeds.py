@@ -25,8 +25,10 @@ Resumable: a run whose log holds the final evaluation is read back, not trained 
 short goes on from its last checkpoint (``ckpt_path=last``). The code trained is the commit
 checked out (exported once with ``git archive``, so edits made to the working tree while the grid
 runs cannot leak into it). After every run, ``<out>/runs.csv`` (one row per run) and
-``<out>/table.md`` are rewritten from every finished run under ``<out>/runs`` (so the tables of
-``--seeds 0 --repeats 10`` and of ``--seeds 0-9`` written into one folder stand side by side): per
+``<out>/table.md`` are rewritten from every finished run under ``<out>/runs`` and every row already
+in runs.csv whose folder is gone (run folders are not committed; a recorded run is not trained
+again), so the tables of ``--seeds 0 --repeats 10`` and of ``--seeds 0-9`` written into one
+folder, in one sitting or several, stand side by side. Per
 run, the algorithms side by side; per algorithm, the run-to-run spread (the repeats of one seed) and
 the seed-to-seed spread (the first run of each seed): how many runs reach the target, the mean with
 a 95% bootstrap interval, the minimum, and how many are at the target two thirds of the way.
@@ -163,6 +165,11 @@ def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, itera
     n_threads = effective_threads(threads)
     run_dir = out / "runs" / run_name(algorithm, seed, repeat, n_threads)
     meta_path = run_dir / "meta.json"
+    if not run_dir.exists():  # made in an earlier sitting whose folder is gone: its row in runs.csv stands
+        key = (algorithm, seed, repeat, n_threads)
+        recorded = [r for r in recorded_rows(out) if run_key(r) == key and r.get("iterations") == iterations]
+        if recorded:
+            return recorded[0]
     if not is_finished(run_dir, iterations):
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         resume = (run_dir / "checkpoints" / "last.ckpt").exists() and meta.get("commit") == commit
@@ -211,6 +218,42 @@ def finished_rows(out: Path) -> list[dict]:
         if "algorithm" in meta and is_finished(meta_path.parent, meta["iterations"]):
             rows.append(run_row(meta["algorithm"], meta["seed"], meta_path.parent, meta["iterations"], meta.get("repeat", 0)))
     return rows
+
+
+INT_FIELDS = ("seed", "repeat", "threads", "jobs", "iterations", "resumed", "warm_start_trained")
+TEXT_FIELDS = ("algorithm", "commit", "command", "overrides")
+
+
+def run_key(row: dict) -> tuple:
+    return row["algorithm"], int(row["seed"]), int(row.get("repeat", 0)), int(row.get("threads", 1))
+
+
+def recorded_rows(out: Path) -> list[dict]:
+    """The rows of ``<out>/runs.csv`` as written (run folders are not committed: a later sitting has the
+    table's rows but not their folders), typed back; rows from before ``--threads`` ran one thread, two at a time."""
+    path = out / "runs.csv"
+    if not path.exists():
+        return []
+    rows = []
+    with path.open() as f:
+        for raw in csv.DictReader(f):
+            row: dict = {"threads": 1, "jobs": 2}
+            for key, value in raw.items():
+                if key in TEXT_FIELDS or key.endswith("_by_it"):
+                    row[key] = value
+                elif value in ("", None):
+                    continue
+                else:
+                    row[key] = int(float(value)) if key in INT_FIELDS else float(value)
+            rows.append(row)
+    return rows
+
+
+def all_rows(out: Path) -> list[dict]:
+    """Every finished run under ``<out>/runs``, and every row of ``<out>/runs.csv`` whose folder is gone."""
+    rows = finished_rows(out)
+    have = {run_key(r) for r in rows}
+    return rows + [r for r in recorded_rows(out) if run_key(r) not in have]
 
 
 def run_row(algorithm: str, seed: int, run_dir: Path, iterations: int, repeat: int = 0) -> dict:
@@ -426,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
             print(error, file=sys.stderr, flush=True)
             return
         with lock:  # every finished run in the folder, this command's and earlier ones'
-            write_results(finished_rows(args.out), args.out, args.algorithms, args.iterations, command_line)
+            write_results(all_rows(args.out), args.out, args.algorithms, args.iterations, command_line)
         print(f"{job[0]} seed {job[1]} repeat {job[2]}: {_pct(row['success_warm_start'])}% -> {_pct(row['success_end'])}% "
               f"in {row['wall_s']:.0f} s", flush=True)
 

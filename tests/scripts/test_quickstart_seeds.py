@@ -208,3 +208,29 @@ def test_threads_zero_runs_as_a_user_does_and_stands_beside_one_thread_runs(qs, 
     assert "| 0 | 1 | 2 | 0 → 90 |" in table
     with pytest.raises(SystemExit, match="--threads"):
         qs.main(["--threads", "-1", "--out", str(tmp_path)])
+
+
+def test_rows_recorded_in_runs_csv_stand_when_their_folders_are_gone(qs, tmp_path: Path, monkeypatch) -> None:
+    """Run folders are not committed: a later sitting keeps the recorded rows beside its new runs and does not
+    train a recorded run again."""
+    old = [_row("agentopsd", s, 0.9 + s / 100) for s in (0, 1)]  # written before --threads: no threads column
+    qs.write_results(old, tmp_path, ["agentopsd"], 16, "first sitting")
+    with (tmp_path / "runs.csv").open() as f:
+        written = list(csv.DictReader(f))
+    with (tmp_path / "runs.csv").open("w", newline="") as f:  # the older layout: no threads or jobs columns
+        w = csv.DictWriter(f, fieldnames=[k for k in written[0] if k not in ("threads", "jobs")], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(written)
+    calls: list[list[str]] = []
+    _fake_train(qs, monkeypatch, calls, finish=True)
+    row = qs.run_one("agentopsd", 1, tmp_path, tmp_path, "abc", 16, [], command_line="cmd")
+    assert calls == [] and row["success_end"] == 0.91 and row["threads"] == 1 and row["jobs"] == 2
+    qs.run_one("agentopsd", 2, tmp_path, tmp_path, "abc", 16, [], command_line="cmd")
+    assert len(calls) == 1
+    rows = qs.all_rows(tmp_path)
+    assert sorted((r["seed"], r["threads"], r["success_end"]) for r in rows) == [(0, 1, 0.9), (1, 1, 0.91), (2, 1, 0.9)]
+    assert isinstance(rows[-1]["seed"], int) and isinstance(rows[-1]["wall_s"], float)
+    qs.write_results(rows, tmp_path, ["agentopsd"], 16, "cmd")
+    table = (tmp_path / "table.md").read_text()
+    assert "| 0 | 0 | 1 | 0 → 45 → 90 |" in table and "| 2 | 0 | 1 | 0 →  → 90 |" in table
+    assert "seed to seed: seeds 0-2; 1 thread, 2 at a time | 3 / 3 |" in table
