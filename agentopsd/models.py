@@ -6,14 +6,22 @@ model must fail in seconds with a message that says what to set, not after a min
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 from packaging.version import Version
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from agentopsd.tokenizer import IM_END, tiny_qwen2_config
 
@@ -140,6 +148,30 @@ def local_rank() -> int:
     return 0
 
 
+def _pipeline(tokenizer_json: dict) -> dict:
+    return {"normalizer": tokenizer_json.get("normalizer"), "pre_tokenizer": tokenizer_json.get("pre_tokenizer")}
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer.from_pretrained(path)``, unless that tokenizes differently from the folder's tokenizer.json.
+
+    transformers 5 builds the tokenizer class of the model type (``Qwen2Tokenizer`` for any qwen2 config) with
+    that family's own normaliser and pre-tokenizer, whatever tokenizer.json says: right for Qwen2.5's own
+    tokenizer, wrong for one trained for the task (the tiny model's splits numbers its own way), whose
+    exported folder would then be prompted with other token ids than in training. Such a folder is loaded as
+    its tokenizer.json is written (``PreTrainedTokenizerFast``), with its tokenizer_config (chat template, specials).
+    """
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    written = Path(path) / "tokenizer.json"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not written.is_file() or backend is None:
+        return tokenizer
+    if _pipeline(json.loads(backend.to_str())) == _pipeline(json.loads(written.read_text())):
+        return tokenizer
+    log.info("%s: %s builds another pre-tokenizer than tokenizer.json; loading tokenizer.json as written", path, type(tokenizer).__name__)
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
 def load_policy(
     path: str,
     *,
@@ -165,7 +197,7 @@ def load_policy(
     resolved = resolve_model_path(path)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    tokenizer = AutoTokenizer.from_pretrained(resolved, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(resolved, trust_remote_code=trust_remote_code)
     if meta_on_other_ranks and local_rank() != 0:
         model = build_on_meta(resolved, trust_remote_code=trust_remote_code, **kwargs)
         log.info("local rank %d: policy %s built on the meta device (its weights come from rank 0 after sharding)", local_rank(), path)

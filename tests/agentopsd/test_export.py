@@ -88,6 +88,24 @@ def test_export_of_a_run_loads_in_transformers_and_plays_as_the_trainer(trained_
     assert len(res["episodes"]) == 4
 
 
+def test_the_exported_tokenizer_encodes_as_in_training(trained_run, tmp_path):
+    """transformers 5 loads any qwen2 folder with Qwen2Tokenizer, which splits numbers its own way: the tiny model's
+    own tokenizer.json must be what the folder is read with (agentopsd's loader; PreTrainedTokenizerFast elsewhere)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from agentopsd.models import load_tokenizer
+
+    out = tmp_path / "hf"
+    assert export.main([str(trained_run), str(out)]) == 0
+    _, trained, _, _ = export.load_policy_from_checkpoint(trained_run)
+    texts = ["You see a red ball 2 steps ahead and 1 step to the right.", "Task: go to the grey key 13 12 3 <action>turn left</action>",
+             "step 10 of 24: 0.5 left"]
+    want = [trained(t)["input_ids"] for t in texts]
+    for tokenizer in (load_tokenizer(str(out)), PreTrainedTokenizerFast.from_pretrained(out)):
+        assert [tokenizer(t)["input_ids"] for t in texts] == want
+    assert load_tokenizer(str(out)).chat_template == trained.chat_template
+
+
 def test_export_of_a_kept_policy_and_of_last_ckpt_agree(trained_run, tmp_path):
     kept = trained_run / "checkpoints" / "policy-000002.pt"
     assert export.main([str(kept), str(tmp_path / "kept")]) == 0
