@@ -19,7 +19,8 @@ a run cut short goes on from its last checkpoint when the code is the same commi
 over from the shared warm start). The code trained is the
 commit checked out, exported once with ``git archive``: edits to the working tree while the grid
 runs cannot leak into it. After every run ``runs.csv`` and ``table.md`` (means with 95% bootstrap
-intervals over seeds, paired differences to GRPO and horizon slopes with t intervals) and ``horizon.png``
+intervals over seeds, paired differences to GRPO and horizon slopes with t intervals, the ceiling study's
+contrasts) and ``horizon.png``
 are rewritten under ``--out``.
 
 Credit data: each finished AgentOPSD run is archived under ``--out/credit_data/<run>`` (its config, its rollout
@@ -36,6 +37,7 @@ import argparse
 import csv
 import hashlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -270,21 +272,45 @@ def run_row(out: Path, level: str, method: str, seed: int, iterations: int) -> d
 # ------------------------------------------------------------------ statistics
 
 
-# Student t 0.975 quantiles for 1-30 degrees of freedom (beyond, the Cornish-Fisher expansion below is within 1e-4)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+def t_coverage(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with an integer ``df``: the closed-form finite sums for odd and even degrees of
+    freedom (Abramowitz and Stegun 26.7.3-4), exact to rounding; scipy is not a dependency."""
+    if t <= 0:
+        return 0.0
+    theta = math.atan(t / math.sqrt(df))
+    c2 = math.cos(theta) ** 2
+    if df % 2:  # odd: (2/pi) [theta + sin cos (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...)]
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(1, (df - 1) // 2):
+            term *= (2 * k) / (2 * k + 1) * c2
+            total += term
+        return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    term, total = 1.0, 1.0  # even: sin (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+    for k in range(1, df // 2):
+        term *= (2 * k - 1) / (2 * k) * c2
+        total += term
+    return math.sin(theta) * total
 
 
-def t_quantile_975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (scipy is not a dependency)."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+def t_quantile(coverage: float, df: int) -> float:
+    """The t at which a two-sided Student t interval with ``df`` degrees of freedom covers ``coverage`` (0.95: the
+    0.975 quantile), by bisection on ``t_coverage``."""
+    if not 0 < coverage < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0 < coverage < 1 and df >= 1, got {coverage}, {df}")
+    lo, hi = 0.0, 1.0
+    while t_coverage(hi, df) < coverage:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_coverage(mid, df) < coverage else (lo, mid)
+        if hi - lo < 1e-10:
+            break
+    return (lo + hi) / 2
 
 
-def t_interval(samples: list[float], bounds: tuple[float, float] | None = None) -> tuple[float, float, float]:
-    """Mean and its 95% Student t interval over seeds. Used for paired differences and slopes, which may take any
+def t_interval(samples: list[float], bounds: tuple[float, float] | None = None,
+               coverage: float = 0.95) -> tuple[float, float, float]:
+    """Mean and its Student t interval over seeds (95% unless ``coverage`` says otherwise). Used for paired differences and slopes, which may take any
     sign: with 4 seeds a percentile bootstrap's interval is about as narrow as the seeds' range and covers far
     less than 95%; the t interval is honest at small n (success rates keep the bootstrap, which stays in 0-100).
     ``bounds``: the range the mean can take (a difference of two rates: -1 to 1); the interval is cut to it, which
@@ -295,7 +321,7 @@ def t_interval(samples: list[float], bounds: tuple[float, float] | None = None) 
     mean = statistics.fmean(vals)
     if len(vals) < 2:
         return mean, float("nan"), float("nan")
-    half = t_quantile_975(len(vals) - 1) * statistics.stdev(vals) / len(vals) ** 0.5
+    half = t_quantile(coverage, len(vals) - 1) * statistics.stdev(vals) / len(vals) ** 0.5
     lo, hi = mean - half, mean + half
     if bounds is not None:
         lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
@@ -328,6 +354,53 @@ def paired(a: dict, b: dict) -> bool:
     recorded before the digest was, all empty, shared one warm folder; a warm start made again on another machine
     is not bitwise the same, so an empty digest never pairs with a recorded one)."""
     return a.get("warm", "") == b.get("warm", "")
+
+
+def paired_diffs(cell: dict[tuple[str, str, int], dict], level: str, a: str, b: str, measure: str) -> dict[int, float]:
+    """Per seed, method ``a``'s success after RL minus method ``b``'s on one rung, over the seeds where both ran
+    from the same warm start."""
+    return {s: cell[(level, a, s)][f"{measure}_after"] - cell[(level, b, s)][f"{measure}_after"]
+            for (lv, m, s) in cell if lv == level and m == a and (level, b, s) in cell
+            and paired(cell[(level, a, s)], cell[(level, b, s)])}
+
+
+CONTRASTS = (
+    ("oracle", "grpo", "perfect evidence at the paper's lever"),
+    ("oracle_wide", "grpo", "perfect evidence at the wide lever"),
+    ("agentopsd_wide", "grpo", "the real evidence at the wide lever"),
+    ("oracle", "agentopsd", "the evidence, at the paper's lever"),
+    ("oracle_wide", "agentopsd_wide", "the evidence, at the wide lever"),
+    ("oracle_wide", "oracle", "the lever, with perfect evidence"),
+    ("agentopsd_wide", "agentopsd", "the lever, with the real evidence"),
+)
+"""The ceiling study's paired contrasts: each isolates one factor (the evidence or the lever) or sets a cell against
+GRPO."""
+
+
+def contrast_table(cell: dict[tuple[str, str, int], dict], levels: list[str]) -> list[str]:
+    """The ceiling study's contrasts on every rung where both of a contrast's methods have pairs, each with its 95% t
+    interval and its Bonferroni interval over every interval in the table (rows x two measures): reading several
+    intervals at 95%, one clears 0 by chance more often than one time in twenty."""
+    found = [(a, b, what, lv) for a, b, what in CONTRASTS for lv in levels
+             if any(len(paired_diffs(cell, lv, a, b, m)) >= 2 for m in ("sampled", "greedy"))]
+    if not found:
+        return []
+    reads = 2 * len(found)
+    family = 1 - 0.05 / reads
+    lines = ["## The ceiling study: paired contrasts", "",
+             f"Per seed one cell's success after RL minus another's on the same warm start and task stream, points: "
+             f"mean [95% t interval] (pairs), then the Bonferroni interval over the table's {reads} intervals "
+             f"({100 * family:.2f}% each).", "",
+             "| contrast | what differs | rung | sampled | sampled, Bonferroni | greedy | greedy, Bonferroni |",
+             "|---|---|---|---|---|---|---|"]
+    for a, b, what, lv in found:
+        cells = []
+        for measure in ("sampled", "greedy"):
+            diffs = list(paired_diffs(cell, lv, a, b, measure).values())
+            cells += [_fmt(t_interval(diffs, bounds=(-1.0, 1.0))) + f" ({len(diffs)})",
+                      _fmt(t_interval(diffs, bounds=(-1.0, 1.0), coverage=family))]
+        lines.append(f"| {a} − {b} | {what} | {lv} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str) -> str:
@@ -363,14 +436,13 @@ def build_tables(rows: list[dict], horizon: dict[str, float], command_line: str)
             cells = []
             diffs_by_seed: dict[int, dict[str, float]] = {}
             for lv in levels:
-                diffs = {s: cell[(lv, m, s)][f"{measure}_after"] - cell[(lv, "grpo", s)][f"{measure}_after"]
-                         for (l2, mm, s) in cell if l2 == lv and mm == m and (lv, "grpo", s) in cell
-                         and paired(cell[(lv, m, s)], cell[(lv, "grpo", s)])}
+                diffs = paired_diffs(cell, lv, m, "grpo", measure)
                 for s, d in diffs.items():
                     diffs_by_seed.setdefault(s, {})[lv] = d
                 cells.append(_fmt(t_interval(list(diffs.values()), bounds=(-1.0, 1.0))) + f" ({len(diffs)})" if diffs else "")
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(seed_slopes(diffs_by_seed, levels, horizon), digits=2)} |")
         lines.append("")
+    lines += contrast_table(cell, levels)
     lines += ["## Per run", "", "| rung | method | seed | greedy before → after | sampled before → after | train success | "
               "evidence-outcome corr | wall s |", "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (horizon[r["level"]], r["seed"], methods.index(r["method"]))):

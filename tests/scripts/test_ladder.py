@@ -43,9 +43,15 @@ def test_bootstrap_intervals_of_success_rates_stay_inside_0_and_1(ladder) -> Non
 def test_t_interval_matches_the_textbook_and_is_wider_than_the_bootstrap_at_four_seeds(ladder) -> None:
     import statistics
 
-    mean, lo, hi = ladder.t_interval([1.0, 2.0, 3.0, 4.0, 5.0])  # se = 0.7071, t(4) = 2.776
-    assert mean == 3.0 and lo == pytest.approx(3 - 2.776 * 0.70711, abs=1e-4) and hi == pytest.approx(3 + 2.776 * 0.70711, abs=1e-4)
-    assert ladder.t_quantile_975(31) == pytest.approx(2.0395, abs=2e-4) and ladder.t_quantile_975(120) == pytest.approx(1.9799, abs=2e-4)
+    mean, lo, hi = ladder.t_interval([1.0, 2.0, 3.0, 4.0, 5.0])  # se = 0.7071, t(4) = 2.7764
+    assert mean == 3.0 and lo == pytest.approx(3 - 2.7764 * 0.70711, abs=1e-4) and hi == pytest.approx(3 + 2.7764 * 0.70711, abs=1e-4)
+    # textbook quantiles (two-sided 95%, 99%, and 1 - 0.05/14 for a Bonferroni family of 14)
+    for coverage, df, t in ((0.95, 1, 12.7062), (0.95, 2, 4.3027), (0.95, 9, 2.2622), (0.95, 31, 2.0395), (0.95, 120, 1.9799),
+                            (0.99, 9, 3.2498), (0.99, 10, 3.1693), (1 - 0.05 / 14, 9, 3.9088)):
+        assert ladder.t_quantile(coverage, df) == pytest.approx(t, abs=2e-4)
+    assert ladder.t_interval([1.0, 2.0, 3.0, 4.0, 5.0], coverage=0.99)[1] == pytest.approx(3 - 4.6041 * 0.70711, abs=1e-3)
+    with pytest.raises(ValueError, match="coverage"):
+        ladder.t_quantile(1.0, 9)
     four = [0.355, 0.176, 0.035, 0.328]
     _, blo, bhi = ladder.bootstrap(statistics.fmean, four)
     _, tlo, thi = ladder.t_interval(four)
@@ -90,6 +96,31 @@ def test_runs_from_different_warm_starts_are_not_paired(ladder) -> None:
     assert diff.count("(9)") == 2  # the mismatched seed drops out of both rungs' pairs
     legacy = [{**r, "warm": ""} if r["method"] == "grpo" else r for r in rows]  # digest not recorded: no pair
     assert not ladder.paired(legacy[0], legacy[1]) and ladder.paired({"warm": ""}, {})
+
+
+def test_the_ceiling_contrasts_isolate_the_evidence_and_the_lever_with_a_family_wise_interval(ladder) -> None:
+    """oracle_wide - agentopsd_wide (the evidence at one lever) and oracle_wide - oracle (the lever with one evidence),
+    paired by seed and warm start; the Bonferroni interval is wider than the 95% one and both hold the same mean."""
+    rows = []
+    for seed in range(10):
+        noise = 0.03 * ((seed * 7) % 5 - 2)
+        for method, value in (("grpo", 0.3), ("oracle", 0.3), ("oracle_wide", 0.5 + noise), ("agentopsd_wide", 0.3 + noise)):
+            rows.append({"level": "KeyDoorBoxS9", "method": method, "seed": seed, "iterations": 16, "commit": "abc", "warm": f"w{seed}",
+                         "greedy_before": 0.0, "sampled_before": 0.1, "greedy_after": value + 0.01 * (seed % 3),
+                         "sampled_after": value, "wall_s": 1.0, "resumed": 0})
+    rows[-1]["warm"] = "other"  # seed 9's agentopsd_wide ran from another warm start: it pairs with nothing
+    lines = ladder.build_tables(rows, {"KeyDoorBoxS9": 35.0}, "cmd").splitlines()
+    assert "## The ceiling study: paired contrasts" in lines
+    evidence = next(line for line in lines if line.startswith("| oracle_wide − agentopsd_wide |"))
+    assert "20.0 [20.0, 20.0] (9)" in evidence  # the same +20 points at every one of the 9 paired seeds
+    lever = next(line for line in lines if line.startswith("| oracle_wide − oracle |")).split(" | ")
+    mean, lo, hi = (float(x) for x in lever[3].replace("[", "").replace("]", "").replace(",", "").split()[:3])
+    _, blo, bhi = (float(x) for x in lever[4].replace("[", "").replace("]", "").replace(",", "").split())
+    assert mean == 20.0 and blo < lo < mean < hi < bhi
+    # rows: oracle - grpo, oracle_wide - grpo, agentopsd_wide - grpo, oracle_wide - agentopsd_wide, oracle_wide - oracle
+    # (no AgentOPSD runs: its two contrasts are left out); 5 rows x 2 measures = 10 intervals, 99.5% each
+    assert sum(line.startswith("| ") and " − " in line for line in lines) == 5 and "10 intervals (99.50% each)" in "\n".join(lines)
+    assert "paired contrasts" not in ladder.build_tables(_rows(0.1), {"KeyDoorBoxS5": 20.0, "KeyDoorBoxS9": 35.0}, "cmd")
 
 
 def test_rows_round_trip_through_runs_csv(ladder, tmp_path) -> None:
