@@ -310,9 +310,10 @@ def t_quantile(coverage: float, df: int) -> float:
 
 def t_interval(samples: list[float], bounds: tuple[float, float] | None = None,
                coverage: float = 0.95) -> tuple[float, float, float]:
-    """Mean and its Student t interval over seeds (95% unless ``coverage`` says otherwise). Used for paired differences and slopes, which may take any
-    sign: with 4 seeds a percentile bootstrap's interval is about as narrow as the seeds' range and covers far
-    less than 95%; the t interval is honest at small n (success rates keep the bootstrap, which stays in 0-100).
+    """Mean and its Student t interval over seeds (95% unless ``coverage`` says otherwise). Used for paired
+    differences and slopes, which may take any sign: with 4 seeds a percentile bootstrap's interval is about as
+    narrow as the seeds' range and covers far less than 95%; the t interval is honest at small n (success rates
+    keep the bootstrap, which stays in 0-100).
     ``bounds``: the range the mean can take (a difference of two rates: -1 to 1); the interval is cut to it, which
     keeps its coverage (the true mean is inside the bounds) and keeps it readable."""
     vals = [v for v in samples if v == v]
