@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quickstart_seeds import export_code, head_commit, log_rows, parse_seeds  # noqa: E402
+from quickstart_seeds import export_code, head_commit, log_rows, parse_seeds, read_runs_csv  # noqa: E402
 
 from agentopsd.study.credit_quality import bootstrap  # noqa: E402
 
@@ -515,17 +515,8 @@ def write_results(rows: list[dict], out: Path, command_line: str) -> None:
 
 
 def read_rows(out: Path) -> list[dict]:
-    path = out / "runs.csv"
-    if not path.exists():
-        return []
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        for k, v in r.items():
-            if k not in ("level", "method", "commit", "warm"):
-                r[k] = float(v) if v not in ("", None) else float("nan")
-        r["seed"], r["iterations"] = int(r["seed"]), int(r["iterations"])
-    return rows
+    return read_runs_csv(out / "runs.csv", text=lambda key: key in ("level", "method", "commit", "warm"),
+                         ints=("seed", "iterations"), empty=float("nan"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,7 @@ import sys
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -228,25 +229,32 @@ def run_key(row: dict) -> tuple:
     return row["algorithm"], int(row["seed"]), int(row.get("repeat", 0)), int(row.get("threads", 1))
 
 
-def recorded_rows(out: Path) -> list[dict]:
-    """The rows of ``<out>/runs.csv`` as written (run folders are not committed: a later sitting has the
-    table's rows but not their folders), typed back; rows from before ``--threads`` ran one thread, two at a time."""
-    path = out / "runs.csv"
+def read_runs_csv(path: Path, *, text: Callable[[str], bool], ints: tuple[str, ...], empty: float | None = None) -> list[dict]:
+    """The rows of a runs.csv typed back (this script's and the ladder's): the columns ``text`` accepts as written,
+    ``ints`` as ints, every other as a float; an empty cell is left out, or set to ``empty`` when given."""
     if not path.exists():
         return []
     rows = []
     with path.open() as f:
         for raw in csv.DictReader(f):
-            row: dict = {"threads": 1, "jobs": 2}
+            row: dict = {}
             for key, value in raw.items():
-                if key in TEXT_FIELDS or key.endswith("_by_it"):
+                if text(key):
                     row[key] = value
                 elif value in ("", None):
-                    continue
+                    if empty is not None:
+                        row[key] = empty
                 else:
-                    row[key] = int(float(value)) if key in INT_FIELDS else float(value)
+                    row[key] = int(float(value)) if key in ints else float(value)
             rows.append(row)
     return rows
+
+
+def recorded_rows(out: Path) -> list[dict]:
+    """The rows of ``<out>/runs.csv`` as written (run folders are not committed: a later sitting has the
+    table's rows but not their folders), typed back; rows from before ``--threads`` ran one thread, two at a time."""
+    rows = read_runs_csv(out / "runs.csv", text=lambda key: key in TEXT_FIELDS or key.endswith("_by_it"), ints=INT_FIELDS)
+    return [{"threads": 1, "jobs": 2, **row} for row in rows]
 
 
 def all_rows(out: Path) -> list[dict]:
