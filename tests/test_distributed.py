@@ -82,3 +82,20 @@ def test_two_processes_train_checkpoint_and_resume(strategy, tmp_path):
     assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in (1, 2, 3)]  # numbered 1, 2, 3 like every log
     iterations = [int(float(r["rollout/iteration"])) for r in metrics_rows(out) if r.get("rollout/iteration")]
     assert iterations == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_train_a_finished_run_on_to_more_iterations(strategy, tmp_path):
+    """``ckpt_path=last num_iterations=4`` on a finished 2-iteration run: every rank reopens the closed epoch
+    on its own (no collective), so both must agree or one would wait for the other forever; an odd
+    evaluation list gives the ranks unequal shards."""
+    out = tmp_path / strategy
+    common = ["experiment=babyai_tiny", f"trainer={strategy}", *COMMON, "optim.micro_batch_size=2", "trainer.precision=32-true",
+              f"output_dir={out}", "evaluation.num_tasks=3"]
+    run_watched(*common, "num_iterations=2")
+    proc = run_watched(*common, "num_iterations=4", "ckpt_path=last")
+    assert proc.stdout.count("eval success:") == 1  # the extended run closes once, at its new end
+    assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in (1, 2, 3, 4)]
+    iterations = [int(float(r["rollout/iteration"])) for r in metrics_rows(out) if r.get("rollout/iteration")]
+    assert iterations == [1, 2, 3, 4]
