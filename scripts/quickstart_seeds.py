@@ -345,6 +345,103 @@ def checkpoint_iteration(eval_its: list[int], iterations: int) -> int | None:
     return max(early) if early else None
 
 
+PASSED = 0.9  # once a run has reached this greedy success ...
+MAX_FALL = 0.1  # ... it should never fall more than this below its best at a later evaluation
+
+
+def eval_curve(row: dict) -> list[float]:
+    """A run's greedy evaluations in iteration order (the warm start's first)."""
+    its = sorted(int(k[len("eval_it"):]) for k in row if k.startswith("eval_it") and row[k] == row[k])
+    return [row[f"eval_it{i}"] for i in its]
+
+
+def fall_after_passing(curve: list[float], passed: float = PASSED) -> float:
+    """How far the run fell below its best so far at an evaluation after it first reached ``passed``
+    (the largest such fall; 0 when it never fell or never got there): the unlearning a newcomer sees."""
+    best: float | None = None
+    fall = 0.0
+    for value in curve:
+        if best is not None:
+            fall = max(fall, best - value)
+            best = max(best, value)
+        elif value >= passed:
+            best = value
+    return fall
+
+
+def keeps_what_it_learns(row: dict) -> bool:
+    """The quickstart's goal for one run: at least the target after the last iteration, and no fall of more than
+    MAX_FALL below its best once past PASSED (a float margin: 96% to 86% is a fall of 10 points, not more)."""
+    return row["success_end"] >= TARGET and fall_after_passing(eval_curve(row)) <= MAX_FALL + 1e-9
+
+
+def rounding_summary(rows: list[dict]) -> list[dict]:
+    """Per algorithm and seed, over its variants (thread counts and repeats: other roundings of the same run):
+    how many, the lowest and mean end, the largest fall after passing PASSED, and how many keep what they learn."""
+    out = []
+    for algorithm, seed in sorted({(r["algorithm"], r["seed"]) for r in rows}):
+        runs = [r for r in rows if r["algorithm"] == algorithm and r["seed"] == seed]
+        ends = [r["success_end"] for r in runs]
+        out.append({"algorithm": algorithm, "seed": seed, "variants": len(runs),
+                    "threads": sorted({int(r.get("threads", 1)) for r in runs}),
+                    "min_end": min(ends), "mean_end": statistics.fmean(ends),
+                    "max_fall": max(fall_after_passing(eval_curve(r)) for r in runs),
+                    "kept": sum(keeps_what_it_learns(r) for r in runs)})
+    return out
+
+
+def paired_difference(rows: list[dict], a: str, b: str) -> tuple[float, float, float, int]:
+    """``a`` minus ``b``'s end success, per seed the mean over the variants both ran (same seed, repeat and thread
+    count), then the mean over seeds with its 95% Student t interval: ``(mean, low, high, seeds)``."""
+    by = {run_key(r): r for r in rows}
+    per_seed: dict[int, list[float]] = {}
+    for key, row in by.items():
+        other = by.get((b, *key[1:]))
+        if key[0] == a and other is not None:
+            per_seed.setdefault(key[1], []).append(row["success_end"] - other["success_end"])
+    diffs = [statistics.fmean(v) for _, v in sorted(per_seed.items())]
+    if not diffs:
+        return float("nan"), float("nan"), float("nan"), 0
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ladder.py: its exact t quantiles
+    from ladder import t_interval
+
+    mean, low, high = t_interval(diffs, bounds=(-1.0, 1.0))
+    return mean, low, high, len(diffs)
+
+
+def rounding_table(rows: list[dict], algorithms: list[str]) -> list[str]:
+    """Markdown lines: per seed, the variants' worst end and worst fall; per algorithm, how many runs keep what they
+    learn; the paired difference of the first two algorithms. Empty when no seed ran more than one thread count."""
+    summary = [s for s in rounding_summary(rows) if len(s["threads"]) > 1]
+    if not summary:
+        return []
+    lines = ["", f"Across rounding variants (thread counts; a seed's repeats count as variants too): per seed, the lowest "
+                 f"success after the last iteration and the largest fall below the run's best once it had reached "
+                 f"{100 * PASSED:.0f}%; a run keeps what it learns when it ends at ≥ {100 * TARGET:.0f}% and never falls "
+                 f"more than {100 * MAX_FALL:.0f} points below its best after passing {100 * PASSED:.0f}%.", "",
+             "| algorithm | seed | variants (threads) | min at the end | mean at the end | largest fall | runs that keep it |",
+             "|---|---|---|---|---|---|---|"]
+    order = {a: i for i, a in enumerate(algorithms)}
+    summary.sort(key=lambda s: (order.get(s["algorithm"], 99), s["algorithm"], s["seed"]))
+    for s in summary:
+        lines.append(f"| {s['algorithm']} | {s['seed']} | {s['variants']} ({', '.join(map(str, s['threads']))}) | "
+                     f"{_pct(s['min_end'])} | {_pct(s['mean_end'])} | {_pct(s['max_fall'])} | {s['kept']} / {s['variants']} |")
+    lines.append("")
+    for a in dict.fromkeys(s["algorithm"] for s in summary):
+        these = [s for s in summary if s["algorithm"] == a]
+        worst = min(these, key=lambda s: s["min_end"])
+        lines.append(f"- {a}: {sum(s['kept'] for s in these)} of {sum(s['variants'] for s in these)} runs over "
+                     f"{len(these)} seeds keep what they learn; lowest end {_pct(worst['min_end'])}% (seed {worst['seed']}), "
+                     f"largest fall {_pct(max(s['max_fall'] for s in these))} points.")
+    present = [a for a in algorithms if any(s["algorithm"] == a for s in summary)]
+    if len(present) >= 2:
+        mean, low, high, n = paired_difference(rows, present[0], present[1])
+        if n:
+            lines.append(f"- {present[0]} minus {present[1]} at the end: {100 * mean:+.1f} points [{100 * low:+.1f}, "
+                         f"{100 * high:+.1f}] (95% t over {n} seeds, each the mean over the variants both ran).")
+    return lines
+
+
 def build_table(rows: list[dict], algorithms: list[str], iterations: int, command_line: str) -> str:
     """Markdown: per run, each algorithm's evaluations by iteration; per algorithm, the run-to-run and
     seed-to-seed spreads (runs at the target, at the end and two thirds of the way; mean; minimum)."""
@@ -404,6 +501,7 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
             lines.append(f"| {a} | {name} | {sum(e >= TARGET for e in ends)} / {len(ends)} | {early_cell} | "
                          f"{_pct(statistics.fmean(ends))} [{_pct(lo)}, {_pct(hi)}] | {_pct(min(ends))} | "
                          f"{_pct(statistics.fmean(warm)) if warm else ''} | {cost} |")
+    lines += rounding_table(rows, algorithms)
     # what tells a stalled run from a learning one: how fast training success (temperature 1) rises,
     # how large the updates are, and whether the credit's evidence tracks the outcome
     lines += ["", "Per run, means over the RL iterations: training success (%; first and last 4 iterations), gradient "
@@ -443,9 +541,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="runs of each seed, each from scratch (its own warm start): the run-to-run spread")
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--jobs", type=int, default=2, help="runs at once")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="threads per run; 0: train.py's own default (min(4, cores)) and OpenMP's default wait policy, "
-                             "as a user's `python train.py` runs (use with --jobs 1 on an idle machine)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+                        help="threads per run; several (e.g. 1 2 3) run every seed once per count, rounding variants: another "
+                             "thread count sums in another order. 0: train.py's own default (min(4, cores)) and OpenMP's "
+                             "default wait policy, as a user's `python train.py` runs (use with --jobs 1 on an idle machine)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "quickstart_seeds")
     parser.add_argument("--code", type=Path, default=None,
                         help="train from this checkout instead of an export of HEAD (e.g. . for uncommitted edits)")
@@ -454,8 +553,9 @@ def main(argv: list[str] | None = None) -> None:
     seeds = parse_seeds(args.seeds)
     if args.repeats < 1:
         raise SystemExit(f"--repeats: {args.repeats}; give 1 or more")
-    if args.threads < 0:
-        raise SystemExit(f"--threads: {args.threads}; give 1 or more, or 0 for train.py's own default")
+    if any(t < 0 for t in args.threads):
+        raise SystemExit(f"--threads: {args.threads}; give counts of 1 or more, or 0 for train.py's own default")
+    threads = list(dict.fromkeys(args.threads))
     args.out = args.out.resolve()  # the runs' working directory is the exported code, not here
     args.out.mkdir(parents=True, exist_ok=True)
     commit = head_commit()
@@ -463,22 +563,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.code:
         commit += "+worktree"
     command_line = "python scripts/quickstart_seeds.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    # algorithm-major (the first algorithm's grid lands first), then repeat-major (every seed's first run first)
-    jobs = [(a, s, k) for a in args.algorithms for k in range(args.repeats) for s in seeds]
+    # algorithm-major (the first algorithm's grid lands first), then repeat-major (every seed's first run first),
+    # then a seed's rounding variants side by side
+    jobs = [(a, s, k, t) for a in args.algorithms for k in range(args.repeats) for s in seeds for t in threads]
     failures: list[str] = []
     lock = threading.Lock()  # two runs may finish at once: one writer of the tables at a time
 
-    def one(job: tuple[str, int, int]) -> None:
+    def one(job: tuple[str, int, int, int]) -> None:
         try:
             row = run_one(job[0], job[1], args.out, code, commit, args.iterations, args.overrides, job[2], command_line,
-                          threads=args.threads, jobs=args.jobs)
+                          threads=job[3], jobs=args.jobs)
         except RuntimeError as error:
             failures.append(str(error))
             print(error, file=sys.stderr, flush=True)
             return
         with lock:  # every finished run in the folder, this command's and earlier ones'
             write_results(all_rows(args.out), args.out, args.algorithms, args.iterations, command_line)
-        print(f"{job[0]} seed {job[1]} repeat {job[2]}: {_pct(row['success_warm_start'])}% -> {_pct(row['success_end'])}% "
+        print(f"{job[0]} seed {job[1]} repeat {job[2]} threads {effective_threads(job[3])}: "
+              f"{_pct(row['success_warm_start'])}% -> {_pct(row['success_end'])}% "
               f"in {row['wall_s']:.0f} s", flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:

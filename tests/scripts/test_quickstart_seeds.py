@@ -234,3 +234,64 @@ def test_rows_recorded_in_runs_csv_stand_when_their_folders_are_gone(qs, tmp_pat
     table = (tmp_path / "table.md").read_text()
     assert "| 0 | 0 | 1 | 0 → 45 → 90 |" in table and "| 2 | 0 | 1 | 0 →  → 90 |" in table
     assert "seed to seed: seeds 0-2; 1 thread, 2 at a time | 3 / 3 |" in table
+
+
+def test_fall_after_passing_counts_only_falls_after_the_run_reached_90(qs) -> None:
+    assert qs.fall_after_passing([0.0, 0.96, 0.94, 0.26, 0.57]) == pytest.approx(0.70)  # the issue's run
+    assert qs.fall_after_passing([0.0, 0.5, 0.2, 0.85, 0.89]) == 0.0  # never reached 90%: its dips are not a fall
+    assert qs.fall_after_passing([0.0, 0.91, 0.97, 0.88, 0.96]) == pytest.approx(0.09)  # below the best so far, not the first pass
+    assert qs.fall_after_passing([0.0, 0.96, 0.96]) == 0.0
+    row = _row("agentopsd", 0, 0.86, mid=0.96)
+    assert qs.keeps_what_it_learns(row)  # 96 -> 86 is a fall of exactly 10 points: allowed
+    row["success_end"] = row["eval_it16"] = 0.85
+    assert not qs.keeps_what_it_learns(row)
+    row = _row("agentopsd", 0, 0.79, mid=0.5)
+    assert not qs.keeps_what_it_learns(row)  # never fell, but ended below 80%
+
+
+def _variants(algorithm: str, seed: int, curves: dict[int, tuple[float, float, float]]) -> list[dict]:
+    """One row per thread count: evaluations after 0 / 4 / 8 / 16 iterations."""
+    rows = []
+    for threads, (e4, e8, e16) in curves.items():
+        row = _row(algorithm, seed, e16, mid=e8)
+        row.update(threads=threads, eval_it4=e4)
+        rows.append(row)
+    return rows
+
+
+def test_rounding_summary_takes_the_worst_variant_of_each_seed(qs, tmp_path: Path) -> None:
+    rows = _variants("agentopsd", 0, {1: (0.96, 0.94, 0.94), 2: (0.96, 0.94, 0.57), 3: (0.96, 0.96, 0.96)}) + \
+        _variants("agentopsd", 1, {1: (0.84, 0.96, 0.96), 2: (0.9, 0.96, 0.95), 3: (0.5, 0.9, 0.92)}) + \
+        _variants("grpo", 0, {1: (0.9, 0.9, 0.8), 2: (0.9, 0.9, 0.9), 3: (0.9, 0.9, 0.9)}) + \
+        _variants("grpo", 1, {1: (0.9, 0.9, 0.8), 2: (0.9, 0.9, 0.8), 3: (0.9, 0.9, 0.8)})
+    summary = {(s["algorithm"], s["seed"]): s for s in qs.rounding_summary(rows)}
+    s0 = summary[("agentopsd", 0)]
+    assert (s0["variants"], s0["threads"], s0["min_end"], s0["kept"]) == (3, [1, 2, 3], 0.57, 2)
+    assert s0["max_fall"] == pytest.approx(0.39)
+    assert summary[("agentopsd", 1)]["min_end"] == 0.92 and summary[("agentopsd", 1)]["kept"] == 3
+    # paired per seed over the variants both ran: seed 0 (0.14 - 0.33 + 0.06) / 3, seed 1 (0.16 + 0.15 + 0.12) / 3
+    mean, low, high, n = qs.paired_difference(rows, "agentopsd", "grpo")
+    assert n == 2 and mean == pytest.approx(((0.14 - 0.33 + 0.06) / 3 + 0.43 / 3) / 2)
+    assert -1.0 <= low < mean < high <= 1.0
+    qs.write_results(rows, tmp_path, ["agentopsd", "grpo"], 16, "cmd")
+    table = (tmp_path / "table.md").read_text()
+    assert "| agentopsd | 0 | 3 (1, 2, 3) | 57 | 82 | 39 | 2 / 3 |" in table
+    assert "- agentopsd: 5 of 6 runs over 2 seeds keep what they learn; lowest end 57% (seed 0), largest fall 39 points." in table
+    assert "- agentopsd minus grpo at the end: " in table
+    # one thread count only: no rounding section
+    qs.write_results([r for r in rows if r["threads"] == 1], tmp_path, ["agentopsd", "grpo"], 16, "cmd")
+    assert "Across rounding variants" not in (tmp_path / "table.md").read_text()
+
+
+def test_several_thread_counts_run_each_seed_once_per_count(qs, tmp_path: Path, monkeypatch) -> None:
+    """--threads 1 2 3: every seed and algorithm once per thread count, each in its own folder and environment."""
+    calls: list[list[str]] = []
+    envs: list[dict] = []
+    _fake_train(qs, monkeypatch, calls, finish=True, envs=envs)
+    monkeypatch.setattr(qs, "head_commit", lambda: "abc")
+    qs.main(["--seeds", "0-1", "--algorithms", "agentopsd", "--threads", "1", "2", "3", "--jobs", "1",
+             "--out", str(tmp_path), "--code", str(tmp_path)])
+    names = sorted(Path(next(a for a in c if a.startswith("output_dir=")).split("=", 1)[1]).name for c in calls)
+    assert names == ["agentopsd-s0", "agentopsd-s0-t2", "agentopsd-s0-t3", "agentopsd-s1", "agentopsd-s1-t2", "agentopsd-s1-t3"]
+    assert sorted(e["OMP_NUM_THREADS"] for e in envs) == ["1", "1", "2", "2", "3", "3"]
+    assert "| agentopsd | 0 | 3 (1, 2, 3) | 90 | 90 | 0 | 3 / 3 |" in (tmp_path / "table.md").read_text()
