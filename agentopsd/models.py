@@ -66,11 +66,16 @@ def resolve_model_path(path: str) -> str:
     """A folder or hub id that ``from_pretrained`` can load without waiting on the network.
 
     A local folder is returned as is; a cached hub id becomes its cached snapshot folder (no
-    network at all); otherwise the hub is probed once with a short timeout. Raises
-    :class:`ModelNotFoundError` with a fix in the message.
+    network at all); otherwise the hub is probed once with a short timeout. A name in
+    :data:`agentopsd.pretrained.PREPARED` (``smollm2-135m``) is its prepared cache folder, prepared on first
+    use. Raises :class:`ModelNotFoundError` with a fix in the message.
     """
     if os.path.isdir(path):
         return path
+    from agentopsd import pretrained
+
+    if path in pretrained.PREPARED:
+        return str(pretrained.prepare(path))
     from huggingface_hub import model_info, try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
