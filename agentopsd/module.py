@@ -13,6 +13,7 @@ first: under FSDP every forward is a collective, so its count must not depend on
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -28,6 +29,7 @@ from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import eval_task_list, pooled_metrics
 from agentopsd.objective import micro_batch_loss
+from agentopsd.oom import out_of_memory_ends_the_job
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rng_state import capture, restore
 from agentopsd.rollout import factory
@@ -90,6 +92,8 @@ class AgentRLModule(L.LightningModule):
             num_iterations=cfg.num_iterations,
             seed=cfg.seed,
             model_path=model_path,
+            # a warm start changed the weights: a vLLM engine loading model.path must be synced before it generates
+            weights_as_loaded=not cfg.get("warm_start"),
         )
 
     def __init__(
@@ -104,6 +108,7 @@ class AgentRLModule(L.LightningModule):
         num_iterations: int,
         seed: int = 0,
         model_path: str | None = None,
+        weights_as_loaded: bool = True,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -111,6 +116,9 @@ class AgentRLModule(L.LightningModule):
         self.algorithm, self.env_cfg, self.rollout_cfg = algorithm, env, rollout
         self.optim_cfg, self.eval_cfg = optim, evaluation
         self.num_iterations, self.seed, self.model_path = num_iterations, seed, model_path
+        self.weights_as_loaded = weights_as_loaded
+        """The policy holds the weights of ``model_path`` as loaded (no warm start changed them): a vLLM engine
+        loading that folder needs no sync before the first update."""
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prompts = factory.prompt_builder(tokenizer, env)
         self.skill_bank = factory.skill_bank(env)
@@ -158,7 +166,8 @@ class AgentRLModule(L.LightningModule):
         """The rollout's collector, built on first use (:mod:`agentopsd.rollout.factory`)."""
         if self._collector is None:
             generator = factory.make_generator(self.model, self.tokenizer, self.env_cfg, self.rollout_cfg, seed=self.seed,
-                                               model_path=self.model_path, iterations_done=self.iterations_done)
+                                               model_path=self.model_path, iterations_done=self.iterations_done,
+                                               weights_as_loaded=self.weights_as_loaded)
             self._collector = factory.make_collector(self.env_cfg, generator, self.prompts, self.sampling,
                                                      skill_bank=self.skill_bank, seed=self.seed,
                                                      stop_requested=lambda: self.stop_request.requested,
@@ -176,24 +185,26 @@ class AgentRLModule(L.LightningModule):
         was_training = self.model.training
         self.model.eval()
         try:
-            collector = self.collector
-            factory.engine_sync(collector.generator, self.model, self.iterations_done)
-            rank, world = rank_and_world()
-            tasks = batch.tasks
-            if world > 1:  # each rank plays whole groups of its own
-                tasks = tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
-            t0 = time.perf_counter()
-            try:
-                trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
-            except RolloutStopped:
-                raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
-            factory.engine_sleep(collector.generator)
-            t_rollout = time.perf_counter() - t0
+            with self._phase("rollout"):
+                collector = self.collector
+                factory.engine_sync(collector.generator, self.model, self.iterations_done)
+                rank, world = rank_and_world()
+                tasks = batch.tasks
+                if world > 1:  # each rank plays whole groups of its own
+                    tasks = tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
+                t0 = time.perf_counter()
+                try:
+                    trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
+                except RolloutStopped:
+                    raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
+                factory.engine_sleep(collector.generator)
+                t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with self._phase("scoring"), torch.no_grad(), self._compute_precision():
+                # under a mixed precision the behaviour log-probs are the training forward's, in the update's precision
                 scored, backend_gap = self.scorer.score_rollout(
-                    rb, recompute_old=self.rollout_cfg.recompute_old_logprobs, with_teacher=self.algorithm.needs_teacher,
+                    rb, recompute_old=self.recompute_old_logprobs, with_teacher=self.algorithm.needs_teacher,
                     tis_cap=self.optim_cfg.tis_cap if self.tis_active else None)
                 if self.ref_model is not None:
                     self._place_reference()
@@ -216,6 +227,37 @@ class AgentRLModule(L.LightningModule):
         warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
                             self.iteration, tis_on=self.tis_active)
         return rb
+
+    @property
+    def mixed_precision(self) -> bool:
+        """The update computes under autocast (``bf16-mixed``, ``16-mixed``) with float32 weights."""
+        return self._trainer is not None and "mixed" in str(self.trainer.precision)
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """The behaviour log-probs are re-scored by the training forward: when the settings ask for it, and always
+        under a mixed precision, where the generator's incremental float32 (or autocast) decode is not the
+        update's autocast forward and the first ratio would start away from 1."""
+        return self.rollout_cfg.recompute_old_logprobs or self.mixed_precision
+
+    def _compute_precision(self):
+        """The precision the update's forwards run in (Lightning's autocast for a mixed precision): the old
+        log-probs must come from the same numerics, else the on-policy ratio is not 1."""
+        if self._trainer is None:
+            return contextlib.nullcontext()
+        return self.trainer.precision_plugin.forward_context()
+
+    def _phase(self, name: str):
+        """A phase whose out-of-memory error ends the job with one line (:mod:`agentopsd.oom`)."""
+        return out_of_memory_ends_the_job(name, self._stop_other_ranks)
+
+    def _stop_other_ranks(self) -> None:
+        """Rank 0 of Lightning's own launcher started the other ranks: kill them before this process exits."""
+        import signal
+
+        launcher = getattr(self.trainer.strategy, "launcher", None) if self._trainer is not None else None
+        if launcher is not None and getattr(launcher, "procs", None) and hasattr(launcher, "kill"):
+            launcher.kill(signal.SIGKILL)
 
     @property
     def tis_active(self) -> bool:
@@ -267,6 +309,12 @@ class AgentRLModule(L.LightningModule):
             raise Preempted(self.stop_request.signal_name, self.iteration, update_done=True)
 
     def update(self, batch: RolloutBatch, batch_idx: int) -> tuple[dict[str, float], Tensor]:
+        """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss
+        (:meth:`_update`; an out-of-memory error in it ends the job with one line)."""
+        with self._phase("update"):
+            return self._update(batch, batch_idx)
+
+    def _update(self, batch: RolloutBatch, batch_idx: int) -> tuple[dict[str, float], Tensor]:
         """PPO epochs over mini-batches of one rollout batch; returns the metrics and the mean loss.
 
         Several ranks: each mini-batch's loss is normalised by the token (or row) count of that
@@ -371,22 +419,23 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             collector = self.collector
-            factory.engine_sync(collector.generator, self.model, self.iterations_done)
-            try:
-                rank, world = rank_and_world()
-                # disjoint shards of the fixed list, one per rank (the collector keeps ranks in step)
-                tasks = shard_items(self.eval_tasks(), rank, world)
-                trajectories = collector.collect(tasks, with_teacher=False, sampling=self.eval_sampling)
-                sampled = []
-                if self.eval_cfg.sampled_copies:
-                    copies = [t for t in tasks for _ in range(self.eval_cfg.sampled_copies)]
-                    devices = [self.device.index or 0] if self.device.type == "cuda" else []
-                    with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
-                        torch.manual_seed(len(copies) + 1_000_003 * rank)
-                        sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
-                factory.engine_sleep(collector.generator)
-            except RolloutStopped:  # the evaluation is dropped; training state is whole
-                raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
+            with self._phase("evaluation"):
+                factory.engine_sync(collector.generator, self.model, self.iterations_done)
+                try:
+                    rank, world = rank_and_world()
+                    # disjoint shards of the fixed list, one per rank (the collector keeps ranks in step)
+                    tasks = shard_items(self.eval_tasks(), rank, world)
+                    trajectories = collector.collect(tasks, with_teacher=False, sampling=self.eval_sampling)
+                    sampled = []
+                    if self.eval_cfg.sampled_copies:
+                        copies = [t for t in tasks for _ in range(self.eval_cfg.sampled_copies)]
+                        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+                        with torch.random.fork_rng(devices=devices):  # a fixed stream that leaves the training's untouched
+                            torch.manual_seed(len(copies) + 1_000_003 * rank)
+                            sampled = collector.collect(copies, with_teacher=False, sampling=self.sampling)
+                    factory.engine_sleep(collector.generator)
+                except RolloutStopped:  # the evaluation is dropped; training state is whole
+                    raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
             self.model.train(was_training)
         metrics = pooled_metrics(trajectories, sampled)  # every rank's episodes: the same metrics on every rank

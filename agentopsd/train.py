@@ -115,6 +115,10 @@ def main(cfg: DictConfig) -> dict[str, float]:
         sys.exit(stop.exit_code)
     except Exception as err:
         from agentopsd.distributed import is_collective_timeout, is_distributed, timeout_message
+        from agentopsd.oom import EXIT_CODE, DeviceOutOfMemory
+
+        if isinstance(err, DeviceOutOfMemory) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            sys.exit(EXIT_CODE)  # its one line is printed already (naming the rank, the phase and what to lower)
 
         if is_distributed() and is_collective_timeout(err) and os.environ.get("HYDRA_FULL_ERROR") != "1":
             print(timeout_message(err), file=sys.stderr, flush=True)  # one line: which rank, where it waited

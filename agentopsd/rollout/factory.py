@@ -21,17 +21,21 @@ from agentopsd.rollout.skills import SkillBank
 from agentopsd.types import Trajectory
 
 
-def vllm_engine_kwargs(env: EnvConfig, rollout: RolloutConfig, *, seed: int, iterations_done: int) -> dict:
+def vllm_engine_kwargs(env: EnvConfig, rollout: RolloutConfig, *, seed: int, iterations_done: int,
+                       weights_as_loaded: bool = True) -> dict:
     """rollout.vllm, plus what the run decides: the seed (the engine adds the rank), the longest
-    sequence, and which weights the engine loads (a fresh run's: nothing to sync before step 1)."""
+    sequence, and which weights the engine loads. ``loaded_step`` 0 (nothing to sync before the first
+    update) only when the policy still holds the weights of the folder the engine loads: a fresh run
+    (``iterations_done == 0``) whose weights nothing changed since loading (``weights_as_loaded``; a warm
+    start changes them). Otherwise None: the engine is synced before its first generate."""
     kwargs = {"seed": seed, "max_model_len": env.max_prompt_tokens + rollout.max_new_tokens}
     kwargs.update({k: v for k, v in dict(rollout.vllm).items() if v is not None})
-    kwargs.setdefault("loaded_step", 0 if iterations_done == 0 else None)
+    kwargs.setdefault("loaded_step", 0 if iterations_done == 0 and weights_as_loaded else None)
     return kwargs
 
 
 def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout: RolloutConfig, *, seed: int,
-                   model_path: str | None, iterations_done: int) -> Generator:
+                   model_path: str | None, iterations_done: int, weights_as_loaded: bool = True) -> Generator:
     """vLLM (colocated, loading ``model_path``) or transformers on the policy itself, with the format-error
     chaos wrapper when ``rollout.malformed_rate`` asks for it (transformers only)."""
     if rollout.backend == "vllm":
@@ -39,7 +43,8 @@ def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout:
 
         if model_path is None:
             raise ValueError("rollout.backend=vllm needs model.path (vLLM loads the weights itself)")
-        return VLLMGenerator(model_path, tokenizer, **vllm_engine_kwargs(env, rollout, seed=seed, iterations_done=iterations_done))
+        return VLLMGenerator(model_path, tokenizer, **vllm_engine_kwargs(env, rollout, seed=seed, iterations_done=iterations_done,
+                                                                                  weights_as_loaded=weights_as_loaded))
     from agentopsd.rollout.hf import HFGenerator
 
     # several ranks: every rank runs every forward (the rank invariant, agentopsd.distributed)
@@ -82,12 +87,27 @@ def make_collector(env: EnvConfig, generator: Generator, prompts: PromptBuilder,
 # ---- colocated vLLM (issue 28): sync before generating, sleep after --------------------------------------
 
 
+def release_device_cache() -> None:
+    """Hand the blocks PyTorch's caching allocator keeps back to the GPU (nothing to do without CUDA).
+
+    Why: a colocated vLLM engine sleeps and wakes through its own allocator, outside PyTorch's; blocks the
+    update freed stay reserved in PyTorch's cache (the update's peak), so waking the engine beside them runs
+    out of memory. TRL empties the cache right before ``wake_up``; verl on entering rollout mode.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def engine_sync(generator: Generator, model: nn.Module, step: int) -> None:
     """The generator's weights made the policy's (``step``: iterations done, so a vLLM engine skips a sync of
-    the weights it already holds)."""
+    the weights it already holds). Before a sleeping engine wakes, the gradients are dropped and PyTorch's
+    cached blocks released (:func:`release_device_cache`), so the engine finds the memory the update held."""
     if hasattr(generator, "sleep"):  # the vLLM engine: gradients go before it wakes; weights named by step
         for p in model.parameters():
             p.grad = None
+        release_device_cache()
         generator.sync_weights(model, step=step)
     else:
         generator.sync_weights(model)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from agentopsd.rollout.base import SamplingConfig
 
@@ -100,6 +101,8 @@ class FakeLLM:
         self._hf = HFGenerator(self.model, self.tokenizer)
         self.events: list[tuple] = []
         self.weights_valid = True
+        self.generated_with: list[float] = []
+        """Per generate call: :func:`weights_checksum` of the weights it generated with."""
         self.awake = {"weights": True, "kv_cache": True}
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.kv_bytes = self.weight_bytes  # any size: what matters is that sleep frees it and wake takes it back
@@ -146,7 +149,10 @@ class FakeLLM:
     def generate(self, inputs: Sequence[Any], params: Sequence[Any], use_tqdm: bool = False) -> list[Any]:
         if not all(self.awake.values()):
             raise RuntimeError(f"generate on a sleeping engine: {self.awake}")
+        if not self.weights_valid:
+            raise RuntimeError("generate after sleep(level=2) without loading weights: they are undefined")
         self._record(("generate", len(inputs)))
+        self.generated_with.append(weights_checksum(self.model))
         prompts = [list(p["prompt_token_ids"]) for p in inputs]
         p0 = params[0]
         greedy = p0.temperature == 0
@@ -161,6 +167,11 @@ class FakeLLM:
                                                stop_reason=stop)
             out.append(types.SimpleNamespace(outputs=[completion]))
         return out
+
+
+def weights_checksum(model: torch.nn.Module) -> float:
+    """A float64 sum of every parameter: equal for equal weights (what the engine generated with vs the policy)."""
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
 
 
 def _sampling_params(**kw: Any) -> Any:
@@ -191,7 +202,7 @@ def install(*, sleep_available: bool = True) -> types.ModuleType:
     if not _saved:
         _saved["modules"] = {name: sys.modules.get(name) for name in modules}
         _saved["release"] = factory.release_device_cache
-        _saved["hook"] = torch.optim.optimizer.register_optimizer_step_post_hook(_after_optimizer_step)
+        _saved["hook"] = register_optimizer_step_post_hook(_after_optimizer_step)
     sys.modules.update(modules)
     original = _saved["release"]
 
