@@ -119,6 +119,15 @@ class OptimConfig:
     behaviour log-probs are the trainer's. 0 = off."""
     logprob_diff_warning: float = 0.05
     """Warn when the mean |engine - trainer| log-prob difference of a rollout passes this (0 = never)."""
+    logits_chunk_tokens: int = 0
+    """When > 0, the LM head and its float32 log-softmax (log-probs, entropy) run over this many action positions
+    at a time, forward and backward (checkpointed per chunk), instead of all of a micro-batch's at once: about
+    24 bytes per logit, 35 GiB at 10,240 positions of a 151,936 vocabulary, become one chunk's (2.3 GiB at
+    1,024). Same values and gradients. Not for algorithms that keep the full logits (``grpo_opsd``). 0 = off."""
+    offload_optimizer: bool = False
+    """Move AdamW's states to host memory after each update and back before the next (verl's
+    ``optimizer_offload``): the rollout (vLLM's share) and the scoring passes run without them on the GPU.
+    Costs two host/device copies of the states per iteration."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -133,6 +142,8 @@ class OptimConfig:
             raise ValueError(f"optim.clip_ratio_c must be > 1 (verl uses 3) or 0 (off), got {self.clip_ratio_c}")
         if self.kl_clamp < 0 or self.tis_cap < 0 or self.logprob_diff_warning < 0:
             raise ValueError("optim.kl_clamp, optim.tis_cap and optim.logprob_diff_warning must be >= 0 (0 = off)")
+        if self.logits_chunk_tokens < 0:
+            raise ValueError(f"optim.logits_chunk_tokens must be >= 0 (0 = off, e.g. 1024), got {self.logits_chunk_tokens}")
         if self.tis_cap and self.tis_cap < 1:
             raise ValueError(f"optim.tis_cap must be >= 1 (verl's recipes use 2) or 0 (off), got {self.tis_cap}")
 

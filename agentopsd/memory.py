@@ -42,13 +42,15 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0
@@ -527,6 +529,34 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         sleep_mode=uses_vllm and sleep_setting not in ("false", "0", "no", "off"),
         sync_temporary=2 * largest * sync_bytes if uses_vllm else 0,
     )
+
+
+def measure_cpu_peak(fn: Callable[[], T]) -> tuple[T, int]:
+    """``fn()``'s result and the peak of CPU memory it allocated through PyTorch's allocator above what was
+    allocated when it started (bytes): what ``torch.cuda.max_memory_allocated`` minus its starting value
+    gives on a GPU, measured on CPU.
+
+    The profiler's memory profiling has the CPU allocator report every allocation and free with the running
+    total, inside kernels too (a log-softmax's temporaries, an optimizer's), forward and backward alike;
+    tensors that live before ``fn`` starts are not counted, nor memory outside PyTorch's allocator.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+    if not events:
+        return result, 0
+    events.sort()
+    start = events[0][2] - events[0][1]  # the allocator's running total just before the first event
+    return result, max(0, max(total for _, _, total in events) - start)
 
 
 def _is_rank_zero() -> bool:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from agentopsd.config import OptimConfig, RolloutConfig
 from agentopsd.credit.losses import token_entropy, token_logprobs, truncated_is_weights
@@ -286,6 +287,81 @@ def whole_model_action_logits(model: nn.Module, ids: Tensor, attn: Tensor, sourc
     return logits
 
 
+def _chunk_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float,
+                  entropy: bool) -> Tensor:
+    """``[c, 2]`` float32: each position's log-prob of its target and (with ``entropy``, else 0) its entropy,
+    from ``head(hidden) / temperature``: the unchunked path's :func:`token_logprobs` and :func:`token_entropy`."""
+    logits = head(hidden) / temperature
+    lp = token_logprobs(logits, targets)
+    ent = token_entropy(logits) if entropy else torch.zeros_like(lp)
+    return torch.stack([lp, ent], dim=-1)
+
+
+def chunked_scores(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: Tensor, temperature: float, *,
+                   entropy: bool, chunk: int, trainable: bool = True) -> tuple[Tensor, Tensor]:
+    """Log-probs of ``targets`` and entropies ``[n]`` (float32) of ``head(hidden) / temperature``, with the LM
+    head and its float32 log-softmax run over ``chunk`` positions at a time (``optim.logits_chunk_tokens``).
+
+    The unchunked path holds about 24 bytes per logit at once (the float32 copies the log-softmax and the
+    entropy keep for backward, then their gradients): at 10,240 positions of a 151,936 vocabulary that is
+    35 GiB. Here the logits of one chunk exist at a time, forward and backward: with gradient each chunk
+    runs under activation checkpointing, which keeps only its hidden states and recomputes its logits in
+    the backward, one chunk after the other. The values and gradients are the unchunked ones up to float
+    rounding. ``trainable=False`` (the head's weights take no gradient, e.g. a frozen reference) still
+    checkpoints when ``hidden`` needs a gradient.
+    """
+    if chunk <= 0:
+        raise ValueError(f"optim.logits_chunk_tokens must be > 0 to chunk (0 = off), got {chunk}")
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or trainable)
+    pieces = []
+    for k in range(0, max(hidden.shape[0], 1), chunk):
+        h, t = hidden[k : k + chunk], targets[k : k + chunk]
+        if grad:  # recomputed in backward: only this chunk's logits are ever alive
+            pieces.append(checkpoint(_chunk_scores, head, h, t, temperature, entropy, use_reentrant=False,
+                                     preserve_rng_state=False))
+        else:
+            pieces.append(_chunk_scores(head, h, t, temperature, entropy))
+    scores = torch.cat(pieces)
+    return scores[:, 0], scores[:, 1]
+
+
+def whole_model_action_scores(model: nn.Module, ids: Tensor, attn: Tensor, source: Tensor, targets: Tensor,
+                              temperature: float, *, entropy: bool, chunk: int) -> tuple[Tensor, Tensor]:
+    """:func:`chunked_scores` at the ``source`` positions from a call of the whole model (a sharded root gathers
+    its embeddings and head only when called itself), with no full-vocabulary logits ever built.
+
+    A pre-hook on the LM head takes the hidden states at ``source`` and hands the head no position at all; a
+    forward hook then returns the chunked scores ``[n, 2]`` in place of the head's (empty) output, and the model
+    passes them out as its ``logits``. The hook runs inside the root's forward, so a sharded head's weights
+    are the gathered ones; checkpointed chunks recompute in the backward before the root reshards.
+    """
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    if head is None:
+        raise RuntimeError(f"{type(model).__name__} has no output embeddings to chunk the LM head at: "
+                           "set optim.logits_chunk_tokens=0")
+    taken: list[Tensor] = []
+
+    def select(module: nn.Module, args: tuple) -> tuple:
+        taken.append(args[0][source])
+        return (args[0][:, :0], *args[1:])
+
+    def score(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        # module.forward: the head itself, without these hooks (a checkpointed chunk calls it again in backward)
+        lp, ent = chunked_scores(module.forward, taken.pop(), targets, temperature, entropy=entropy, chunk=chunk)
+        return torch.stack([lp, ent], dim=-1)
+
+    handles = [head.register_forward_pre_hook(select), head.register_forward_hook(score)]
+    try:
+        scores = model(input_ids=ids, attention_mask=attn).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    if scores.shape != (int(source.sum()), 2):  # a model that reshapes or post-processes its head's output
+        raise RuntimeError(f"{type(model).__name__}: the chunked LM head's scores came back as {tuple(scores.shape)}; "
+                           "set optim.logits_chunk_tokens=0 for this model")
+    return scores[:, 0], scores[:, 1]
+
+
 def _logits_to_keep_form(model: nn.Module) -> str:
     """How the head can be limited to the action positions: ``mask`` (``logits_to_keep`` takes a boolean [B, T]
     mask), ``hook`` (a pre-hook on the output embeddings selects them) or ``none`` (the head runs everywhere)."""
@@ -342,6 +418,9 @@ class Scorer:
     max_tokens_per_micro_batch: int
     device: torch.device
     sharded: bool = False
+    logits_chunk_tokens: int = 0
+    """``optim.logits_chunk_tokens``: > 0 runs the LM head and its log-softmax over this many positions at a time
+    (:func:`chunked_scores`) wherever only log-probs and entropies are needed; 0 = all positions at once."""
 
     def micro_batches(self, rows: Tensor, attn: Tensor) -> list[Tensor]:
         """``rows`` (indices into ``attn``'s rows) cut into micro-batches: ``optim.micro_batch_size`` rows
@@ -388,9 +467,10 @@ class Scorer:
         ids, attn, amask, source = _trimmed(ids, attn, amask)
         hidden = hidden_at(decoder, ids, attn, source)
         targets = ids[amask]
+        step = self.logits_chunk_tokens or SCORING_HEAD_POSITIONS
         return torch.cat([
-            token_logprobs(head(hidden[k : k + SCORING_HEAD_POSITIONS]) / self.temperature, targets[k : k + SCORING_HEAD_POSITIONS])
-            for k in range(0, max(len(targets), 1), SCORING_HEAD_POSITIONS)
+            token_logprobs(head(hidden[k : k + step]) / self.temperature, targets[k : k + step])
+            for k in range(0, max(len(targets), 1), step)
         ])
 
     def action_logprobs(
@@ -430,10 +510,10 @@ class Scorer:
                 if idx is None:
                     self.action_logits(*self.placeholder_rows(), model)
                     continue
-                logits, targets = self.action_logits(ids[idx], attn[idx], amask[idx], model)
+                lp, _ = self.action_scores(ids[idx], attn[idx], amask[idx], model, entropy=False)
                 # boolean indexing is row-major, so the two views' action tokens of a row line up one to one
                 block = out[idx]
-                block[student_mask[idx]] = token_logprobs(logits / self.temperature, targets)
+                block[student_mask[idx]] = lp
                 out[idx] = block
         return out
 
@@ -463,14 +543,42 @@ class Scorer:
         """Student log-probs (with gradient) and, when ``entropy``, the policy's entropy at the action positions,
         both ``[m, L]`` (0 elsewhere), from one forward; the logits ``[n, V]`` too when ``keep_logits``."""
         mask = batch.action_mask[rows]
-        logits, targets = self.action_logits(batch.input_ids[rows], batch.attention_mask[rows], mask)
+        ids, attn = batch.input_ids[rows], batch.attention_mask[rows]
+        lp = torch.zeros(mask.shape, device=ids.device, dtype=torch.float32)
+        ent = torch.zeros(mask.shape, device=ids.device, dtype=torch.float32)
+        if not keep_logits:  # log-probs and entropies only: the head may run in chunks
+            lp[mask], token_ent = self.action_scores(ids, attn, mask, entropy=entropy)
+            if entropy:
+                ent[mask] = token_ent
+            return lp, ent, None
+        logits, targets = self.action_logits(ids, attn, mask)
         logits = logits / self.temperature
-        lp = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
-        ent = torch.zeros(mask.shape, device=logits.device, dtype=torch.float32)
         lp[mask] = token_logprobs(logits, targets)
         if entropy:
             ent[mask] = token_entropy(logits)
-        return lp, ent, (logits if keep_logits else None)
+        return lp, ent, logits
+
+    def action_scores(self, ids: Tensor, attn: Tensor, amask: Tensor, model: nn.Module | None = None, *,
+                      entropy: bool) -> tuple[Tensor, Tensor]:
+        """Log-probs of the action tokens and (with ``entropy``, else zeros) the entropies there, row-major ``[n]``
+        float32, at the scoring temperature: over all positions at once, or ``logits_chunk_tokens`` at a time."""
+        model = self.model if model is None else model
+        if self.logits_chunk_tokens <= 0:
+            logits, targets = self.action_logits(ids, attn, amask, model)
+            logits = logits / self.temperature
+            lp = token_logprobs(logits, targets)
+            return lp, token_entropy(logits) if entropy else torch.zeros_like(lp)
+        ids, attn, amask, source = _trimmed(ids, attn, amask)
+        targets = ids[amask]
+        decoder, head = self.decoder_and_head(model)
+        if decoder is None:
+            return whole_model_action_scores(model, ids, attn, source, targets, self.temperature, entropy=entropy,
+                                             chunk=self.logits_chunk_tokens)
+        hidden = (decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source] if checkpointing(decoder)
+                  else hidden_at(decoder, ids, attn, source))
+        trainable = any(p.requires_grad for p in head.parameters())
+        return chunked_scores(head, hidden, targets, self.temperature, entropy=entropy, chunk=self.logits_chunk_tokens,
+                              trainable=trainable)
 
     def teacher_logits(self, batch: RolloutBatch, rows: Tensor) -> Tensor:
         """The teacher view's logits at its action tokens ``[n, V]``, without gradient (row-major: they line up

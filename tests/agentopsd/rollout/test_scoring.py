@@ -238,3 +238,86 @@ def test_activation_checkpointing_is_seen_and_a_missing_cache_is_an_error():
     ids, attn, source = _batch([[5] * 20 + [6, 7], [5] * 20 + [8, 9, 10]], [1, 2])
     with pytest.raises(RuntimeError, match="no KV cache"):
         hidden_at(decoder.train(), ids, attn, source)
+
+
+@pytest.fixture()
+def policy():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(cfg).train()
+
+
+def _rollout_batch(rows: list[list[int]], actions: list[int]):
+    """A RolloutBatch whose rows are ``rows`` with their last ``actions[r]`` tokens as the action."""
+    from agentopsd.rollout.scoring import Scorer
+
+    ids, attn, source = _batch(rows, actions)
+    amask = torch.zeros_like(source)
+    amask[:, 1:] = source[:, :-1]
+    rb, _ = Scorer(None, 0, 1.0, 1, 0, torch.device("cpu")).placeholder_batch(with_reference=False)
+    rb.input_ids, rb.attention_mask, rb.action_mask = ids, attn, amask
+    rb.old_logprobs = torch.zeros(ids.shape)
+    return rb
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["decoder-and-head", "whole-model"])
+@pytest.mark.parametrize("chunk", [1, 3, 1000])
+def test_chunked_log_probs_and_entropy_equal_the_unchunked_path_with_gradients(policy, sharded, chunk):
+    """optim.logits_chunk_tokens: the same log-probs, entropies and weight gradients as all positions at once, on
+    the decoder + head path and on the whole-model call a sharded policy takes (the head hooked)."""
+    from agentopsd.rollout.scoring import Scorer
+
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 96, (20,), generator=g).tolist()
+    rows = [prompt + torch.randint(3, 96, (int(n),), generator=g).tolist() for n in (5, 8, 3)]
+    rows.append(torch.randint(3, 96, (9,), generator=g).tolist())
+    rb = _rollout_batch(rows, [4, 7, 2, 5])
+    idx = torch.arange(rb.num_rows)
+    w_lp, w_ent = torch.randn(rb.action_mask.shape, generator=g), torch.randn(rb.action_mask.shape, generator=g)
+    results = []
+    for chunk_tokens in (0, chunk):
+        policy.zero_grad(set_to_none=True)
+        scorer = Scorer(policy, 0, 0.7, 2, 0, torch.device("cpu"), sharded=sharded, logits_chunk_tokens=chunk_tokens)
+        lp, ent, logits = scorer.logprobs_and_entropy(rb, idx, entropy=True)
+        assert logits is None
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            scored = scorer.action_logprobs(rb, "student", grad=False)
+        results.append((lp.detach(), ent.detach(), grads, scored))
+    (lp0, ent0, grads0, scored0), (lp1, ent1, grads1, scored1) = results
+    assert (lp0[~rb.action_mask] == 0).all() and (lp0[rb.action_mask] < 0).all() and (ent0[rb.action_mask] > 0).all()
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent1, ent0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(scored1, scored0, atol=1e-5, rtol=1e-5)
+    assert grads0.keys() == grads1.keys() and "model.embed_tokens.weight" in grads0
+    for name in grads0:
+        torch.testing.assert_close(grads1[name], grads0[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_chunked_head_holds_one_chunk_of_logits_forward_and_backward():
+    """Checkpointed chunks: the peak of the head and log-softmax (forward and backward) is one chunk's logits,
+    not all positions' (without the checkpoint the saved float32 copies of every chunk add up)."""
+    from agentopsd.memory import measure_cpu_peak
+    from agentopsd.rollout.scoring import chunked_scores
+
+    torch.manual_seed(0)
+    positions, hidden_size, vocab = 512, 16, 8192
+    head = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(positions, hidden_size, requires_grad=True)
+    targets = torch.randint(0, vocab, (positions,))
+
+    def peak(chunk: int) -> int:
+        def step():
+            lp, ent = chunked_scores(head, hidden, targets, 1.0, entropy=True, chunk=chunk)
+            (lp.sum() + ent.sum()).backward()
+        head.zero_grad(set_to_none=True)
+        hidden.grad = None
+        return measure_cpu_peak(step)[1]
+
+    logit_bytes = positions * vocab * 4  # one float32 copy of all positions' logits: 16 MiB
+    whole, chunked = peak(positions), peak(64)
+    assert whole > 4 * logit_bytes  # the log-softmax's and entropy's float32 copies and their gradients
+    # 64 of 512 positions: one chunk's copies, plus the head's weight gradient and the [n] outputs
+    assert chunked < logit_bytes, (whole, chunked)
