@@ -9,6 +9,9 @@ preparation's own checks (sha256, offline error, atomic folder, lock) run on sma
 from __future__ import annotations
 
 import copy
+import signal
+import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -23,6 +26,7 @@ from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.hf import HFGenerator
 from agentopsd.rollout.scoring import hidden_at
 
+ROOT = Path(__file__).resolve().parents[2]
 NAME = pretrained.SMOLLM2_135M.name
 IM_END_ID = 2  # SmolLM2's <|im_end|>: eos and pad
 SYSTEM = "You are an agent acting in a text environment."
@@ -106,19 +110,40 @@ def test_smollm2_offline_fails_in_one_line_naming_the_pip_command(tmp_path, monk
     assert not list(pretrained.downloads_dir().glob(".pip-*"))  # the staging folder is gone
 
 
-def test_smollm2_a_killed_preparation_leaves_no_folder_and_concurrent_runs_prepare_once(fake_cache, monkeypatch):
+KILLED_MIDWAY = """
+import os, signal, sys
+from pathlib import Path
+from agentopsd import pretrained
+from tests.agentopsd.test_pretrained import fake_spec, write_stub
+spec, wheel = fake_spec(Path(sys.argv[1]))
+pretrained.PREPARED[spec.name] = spec
+os.environ[spec.env_var] = str(wheel)
+def killed(gguf, out):
+    write_stub(gguf, out)
+    os.kill(os.getpid(), signal.SIGKILL)  # no finally, no atexit: as a user's kill -9 or the OOM killer
+pretrained.prepare(spec.name, write=killed)
+"""
+
+
+def test_smollm2_a_killed_preparation_leaves_no_folder_and_concurrent_runs_prepare_once(fake_cache, tmp_path, monkeypatch):
     spec, wheel = fake_cache
     monkeypatch.setenv(spec.env_var, str(wheel))
+    root = pretrained.cache_root()
+    (tmp_path / "child").mkdir()
+    killed = subprocess.run([sys.executable, "-c", KILLED_MIDWAY, str(tmp_path / "child")], cwd=ROOT, timeout=120,
+                            capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not pretrained.prepared_dir(spec).exists()  # never half a folder under the final name
+    assert list(root.glob(f".{spec.folder}.*.tmp"))  # the half-written one is left aside ...
 
     def dies_midway(gguf: Path, out: Path) -> None:
         write_stub(gguf, out)
-        raise KeyboardInterrupt  # killed while saving
+        raise KeyboardInterrupt  # interrupted while saving
 
     with pytest.raises(KeyboardInterrupt):
         pretrained.prepare(spec.name, write=dies_midway)
-    root = pretrained.cache_root()
     assert not pretrained.prepared_dir(spec).exists()
-    assert not list(root.glob(f".{spec.folder}.*.tmp"))
+    assert not list(root.glob(f".{spec.folder}.*.tmp"))  # ... and removed by the next preparation
 
     calls: list[int] = []
 
