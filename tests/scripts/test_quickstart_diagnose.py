@@ -29,7 +29,7 @@ def test_group_stats_counts_silent_groups_one_failure_groups_and_the_negative_sh
         # group 0: all won, no advantage
         _traj(0, True, ["go forward", "pick up"], 0.0), _traj(0, True, ["pick up"], 0.0),
         # group 1: one failure of three, a long failed episode and two short wins
-        _traj(1, False, ["go forward"] * 4, -1.0), _traj(1, True, ["pick up"], 0.5), _traj(1, True, ["turn right", "pick up"], 0.5),
+        _traj(1, False, ["go forward"] * 3 + ["pick up"], -1.0), _traj(1, True, ["pick up"], 0.5), _traj(1, True, ["turn right", "pick up"], 0.5),
         # group 2: all lost
         _traj(2, False, ["toggle"], 0.0), _traj(2, False, ["toggle"], 0.0),
     ]
@@ -39,7 +39,7 @@ def test_group_stats_counts_silent_groups_one_failure_groups_and_the_negative_sh
     assert s["one_failure_groups"] == pytest.approx(1 / 3)
     assert s["neg_mass"] == pytest.approx(4.0 / (4.0 + 1.5))  # four failed turns at -1 against three won turns at +0.5
     assert s["failure_turn_share"] == pytest.approx(4 / 7)
-    assert s["pickup_net"] == pytest.approx(1.0 / 7)  # the two won pick-ups, per trajectory
+    assert s["pickup_net"] == pytest.approx(0.0)  # the two won pick-ups (+0.5 each) against the failed one (-1)
     # a two-failure group is not a one-failure group
     records[3]["success"] = False
     records[4]["success"] = False
