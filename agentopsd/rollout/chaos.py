@@ -24,6 +24,11 @@ class MalformedGenerator:
         self.rng = np.random.default_rng(seed)
         self.corrupted = 0
 
+    @property
+    def collective(self) -> bool:
+        """As the wrapped generator's calls (see :class:`agentopsd.rollout.collector.Collector`)."""
+        return getattr(self.inner, "collective", True)
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Generation]:
         out = self.inner.generate(prompts, sampling)
         for i, gen in enumerate(out):

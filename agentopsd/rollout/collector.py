@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import gymnasium as gym
 
 from agentopsd.config import check_overlap_waves
-from agentopsd.distributed import all_max, is_distributed
+from agentopsd.distributed import all_max, any_rank, is_distributed
 from agentopsd.envs.base import env_class, steps_thread_safe
 from agentopsd.envs.runner import BatchedRunner, PendingStep
 from agentopsd.preemption import RolloutStopped
@@ -255,11 +255,17 @@ class Collector:
 
     def _turns(self, episodes: list[_Episode], waves: list[list[int]], in_flight: list[_Wave | None],
                runner: BatchedRunner | None, with_teacher: bool, evaluating: bool, sampling: SamplingConfig) -> None:
-        """The turn loop: per turn one agreement, then one generate call per wave, each wave's env steps
+        """The turn loop: per turn one agreement (where generating is a collective; else one at the end), then one
+        generate call per wave, each wave's env steps
         submitted to the runner. Serial (one wave) they are recorded at once; overlapped, a wave's steps run
         while the next wave generates and are recorded just before that wave's next prompts need them, so at
         the top of a turn the last wave(s) of the turn before may still be stepping."""
-        synced = is_distributed()
+        distributed = is_distributed()
+        # per turn, ranks agree only when the generator's calls are collectives (transformers on a sharded or
+        # synced policy, a tensor-parallel engine); engines of their own (vLLM, one per rank) let each rank play
+        # on alone and agree once, at the end, whether a stop was requested anywhere
+        lockstep = distributed and getattr(self.generator, "collective", True)
+        stopped = False
         # the loop ends when every rank agrees it is over (not after a local count): a rank whose episodes
         # all ended keeps taking part in the others' forwards until they end too (the rank invariant)
         for turn in itertools.count():
@@ -271,11 +277,15 @@ class Collector:
                 here = False
             stop = bool(self.stop_requested is not None and self.stop_requested())
             # one collective per turn answers both questions: max(2 * stop + active) over ranks
-            code = all_max(2 * stop + here, "rollout/turn") if synced else 2 * stop + here
+            code = all_max(2 * stop + here, "rollout/turn") if lockstep else 2 * stop + here
             if code >= 2:
-                raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
+                if not distributed or lockstep:
+                    raise RolloutStopped("a stop was requested (a signal): rollout abandoned between turns")
+                self._settle_all(in_flight, episodes)  # alone: stop playing, and say so at the agreement below
+                stopped = True
+                break
             if not code:
-                return  # nothing is in flight: this rank had nothing to play, which it learnt by settling every wave
+                break  # nothing is in flight: this rank had nothing to play, which it learnt by settling every wave
             for w, members in enumerate(waves):
                 if in_flight[w] is not None:  # this wave's last steps: its prompts need them now
                     self._settle(in_flight[w], episodes)
@@ -290,6 +300,8 @@ class Collector:
                     self._settle(wave, episodes)  # serial: nothing to overlap with
                 else:
                     in_flight[w] = wave
+        if distributed and not lockstep and any_rank(stopped, "rollout/end"):
+            raise RolloutStopped("a stop was requested (a signal) on some rank: rollout abandoned between turns")
 
     def _generate_wave(self, active: list[int], episodes: list[_Episode], with_teacher: bool, evaluating: bool,
                        sampling: SamplingConfig) -> _Wave | None:

@@ -61,6 +61,11 @@ class HFGenerator:
         self._pieces: list[str] | None = None
         self._stop_tables: dict[tuple[str, ...], _StopTable] = {}
 
+    @property
+    def collective(self) -> bool:
+        """Every call takes part in the other ranks' forwards (``synced_gpus``): ranks must call it in step."""
+        return self.synced_gpus
+
     def sync_weights(self, model: nn.Module) -> None:
         """Generate with ``model`` from now on (normally the same object: nothing to copy)."""
         self.model = model
