@@ -46,3 +46,20 @@ def test_a_colocated_engine_drops_the_gradients_syncs_by_step_and_sleeps():
     engine_sync(plain, model, step=4)
     engine_sleep(plain)
     assert model.weight.grad is not None and plain.calls == [("sync", {})]
+
+
+def test_a_warm_started_policy_is_synced_before_the_first_rollout():
+    env, rollout = EnvConfig(id="x", max_prompt_tokens=100), RolloutConfig(backend="vllm", max_new_tokens=28)
+    assert vllm_engine_kwargs(env, rollout, seed=0, iterations_done=0, weights_as_loaded=False)["loaded_step"] is None
+    assert vllm_engine_kwargs(env, rollout, seed=0, iterations_done=0, weights_as_loaded=True)["loaded_step"] == 0
+
+
+def test_the_vllm_rollout_config_sets_the_engine_step_token_budget():
+    from pathlib import Path
+
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(__file__).parents[3] / "conf" / "rollout" / "vllm.yaml")
+    kwargs = vllm_engine_kwargs(EnvConfig(id="x"), instantiate(cfg), seed=0, iterations_done=0)
+    assert kwargs["max_num_batched_tokens"] == 8192
