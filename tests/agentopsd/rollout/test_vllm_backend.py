@@ -9,16 +9,19 @@ The missing-vllm ImportError and the in-process sync path are covered in test_hf
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from agentopsd.rollout import vllm_backend
+from tests.agentopsd.rollout.test_vllm_colocate import FakeLLM, _tok, fake_vllm  # noqa: F401  (fake_vllm: a fixture)
 
 ROOT = Path(__file__).resolve().parents[3]
 VENV = Path(os.environ.get("AGENTOPSD_VLLM_VENV", ROOT / ".venv-vllm"))
@@ -188,3 +191,49 @@ def test_check_script_parses_its_arguments_without_vllm():
         sys.path.remove(str(ROOT / "scripts"))
     args = vllm_check.parse_args(["--in-process", "--no-collector", "--tolerance", "1e-3"])
     assert args.in_process and not args.collector and args.tolerance == 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# The slow path said aloud: a sync through collective_rpc when no in-process worker is found.
+
+
+class MovedInternalsLLM(FakeLLM):
+    """A vLLM whose in-process worker moved (none of ``_IN_PROCESS_WORKER_PATHS`` reaches it): the sync can only
+    go through ``collective_rpc``, recorded here."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(moved=self.llm_engine.engine_core))
+        self.rpcs: list[str] = []
+
+    def collective_rpc(self, method, args=()) -> None:
+        self.rpcs.append(method.__name__)
+
+
+@pytest.mark.parametrize("colocate", [True, False], ids=["colocated", "own-process"])
+def test_the_slow_sync_path_warns_once_naming_the_vllm_version_and_its_cost(fake_vllm, caplog, colocate):  # noqa: F811
+    fake_vllm.__version__ = "0.99.1"
+    fake_vllm.LLM = MovedInternalsLLM
+    generator = vllm_backend.VLLMGenerator("qwen", _tok(), colocate=colocate)
+    model = _Model()
+    with caplog.at_level(logging.DEBUG, logger="agentopsd.rollout.vllm_backend"):
+        generator.sync_weights(model)
+        generator.sync_weights(model)
+    llm = FakeLLM.instances[0]
+    assert llm.rpcs.count("_load_staged_weights_on_worker") == 2 and not _loads(llm)  # the slow path, twice
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings  # once per generator, not per sync
+    assert "vLLM 0.99.1" in warnings[0] and "512 MB" in warnings[0] and "whole model to host memory" in warnings[0]
+    # colocated, vLLM's internals moved: the paths that were looked for are named
+    assert ("llm_engine.model_executor.driver_worker" in warnings[0]) is colocate
+
+    fake_vllm.LLM = FakeLLM  # the in-process worker found: the fast path, no warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agentopsd.rollout.vllm_backend"):
+        vllm_backend.VLLMGenerator("qwen", _tok()).sync_weights(model)
+    assert not caplog.records and _loads(FakeLLM.instances[1])
+
+
+def _loads(llm: FakeLLM) -> list:
+    """The weights the fake engine's in-process model took."""
+    return [e for e in llm.events if e[0] == "load"]
