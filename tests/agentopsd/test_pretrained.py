@@ -201,7 +201,7 @@ def test_smollm2_prepared_folder_equals_transformers_gguf_load(smollm2_dir, smol
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer = smollm2
-    gguf = pretrained.downloads_dir() / pretrained.SMOLLM2_135M.gguf_name
+    gguf = pretrained.find_gguf(pretrained.SMOLLM2_135M)  # the verified file the folder was prepared from
     reference_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = torch.tensor([chat_ids(tokenizer, "<action>go forward</action>")])
