@@ -1,6 +1,7 @@
-"""The README's code blocks do what they say: Python blocks run as written, every `train.py`
-command composes (and passes the group-swap check), every install command names files and
-extras that exist."""
+"""The README's and the docs' code blocks do what they say: Python blocks run as written, every `train.py`
+command composes (and passes the group-swap check), every install command names files and extras that
+exist, every yaml block builds the class its page defines. The pages are README.md and docs/ in the site's
+nav order (tests/test_docs.py: doc_pages)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,72 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.test_docs import code_blocks, doc_pages
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, flags=re.DOTALL)
-PYTHON = [code for lang, code in BLOCKS if lang == "python"]
-BASH_LINES = [line.strip() for lang, code in BLOCKS if lang == "bash" for line in code.splitlines() if line.strip()]
-TRAIN = [line for line in BASH_LINES if "train.py" in line or "agentopsd-train" in line]  # a checkout's or the wheel's
-PIP = [line for line in BASH_LINES if "pip install" in line]
+PAGES = doc_pages()
+README = PAGES[0][1]
+BLOCKS = [(name, lang, code) for name, text in PAGES for lang, code in code_blocks(text)]
+PYTHON = [(name, code) for name, lang, code in BLOCKS if lang == "python"]
+BASH_LINES = [line.strip() for _, lang, code in BLOCKS if lang == "bash" for line in code.splitlines() if line.strip()]
+TRAIN = list(dict.fromkeys(line for line in BASH_LINES if "train.py" in line or "agentopsd-train" in line))  # a checkout's or the wheel's
+PIP = list(dict.fromkeys(line for line in BASH_LINES if "pip install" in line))
 
 
-def test_the_readme_has_the_blocks_these_tests_check():
-    assert len(PYTHON) >= 2 and len(TRAIN) >= 6 and len(PIP) >= 2
+def test_the_pages_have_the_blocks_these_tests_check():
+    readme_pip = [line for lang, code in code_blocks(README) if lang == "bash" for line in code.splitlines() if "pip install" in line]
+    assert len(PYTHON) >= 5 and len(TRAIN) >= 6 and len(PIP) >= 3 and len(readme_pip) >= 2
 
 
-@pytest.mark.parametrize("code", PYTHON, ids=[f"python{i}" for i in range(len(PYTHON))])
-def test_python_blocks_run_as_written(code):
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+def _run_block(name: str, code: str) -> dict:
+    """Exec a page's block in a namespace of its own, leaving the algorithm and environment registries as they
+    were (a page's example registers its own algorithm and environment ids)."""
+    import gymnasium as gym
+
+    from agentopsd.credit.algorithms import ALGORITHMS
+
+    algorithms, envs = dict(ALGORITHMS), set(gym.registry)
+    namespace: dict = {"__name__": "docs_example"}
+    try:
+        exec(compile(code, name, "exec", dont_inherit=True), namespace)  # as a user runs it: no __future__ of ours
+    finally:
+        ALGORITHMS.clear()
+        ALGORITHMS.update(algorithms)
+        for env_id in set(gym.registry) - envs:
+            del gym.registry[env_id]
+    return namespace
 
 
-CREDIT_EXAMPLE = next(code for code in PYTHON if "reshape_advantages(" in code)
+@pytest.mark.parametrize(("name", "code"), PYTHON, ids=[f"{name}:python{i}" for i, (name, _) in enumerate(PYTHON)])
+def test_python_blocks_run_as_written(name, code):
+    _run_block(name, code)
+
+
+def test_running_a_block_leaves_the_registries_as_they_were():
+    from agentopsd.credit.algorithms import ALGORITHMS
+
+    before = dict(ALGORITHMS)
+    example = next(code for name, code in PYTHON if "@register" in code)
+    assert "grpo_sign" in _run_block("adding-an-algorithm.md", example)["SignGRPO"].name
+    assert ALGORITHMS == before
+
+
+def test_the_algorithm_example_writes_the_sign_and_its_yaml_builds_it(capsys):
+    page = dict(PAGES)["docs/adding-an-algorithm.md"]
+    python = next(code for lang, code in code_blocks(page) if lang == "python")
+    namespace = _run_block("adding-an-algorithm.md", python)
+    assert namespace["batch"]["advantages"].tolist() == [[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]
+    cls = namespace["SignGRPO"]
+    for lang, code in code_blocks(page):
+        if lang == "yaml":
+            settings = yaml.safe_load(code)
+            assert settings.pop("_target_").rsplit(".", 1)[1] == cls.__name__
+            assert cls(**settings).name == "grpo_sign"  # every key is a field, with a valid value
+
+
+CREDIT_EXAMPLE = next(code for _, code in PYTHON if "reshape_advantages(" in code)
 
 
 def test_the_credit_example_prints_the_turn_advantages_worked_by_hand(capsys):
@@ -41,8 +88,7 @@ def test_the_credit_example_prints_the_turn_advantages_worked_by_hand(capsys):
       w = 1 + 0.2 z = [1.2 (clipped from 1.281), 0.885029, 0.833988], At = A (0.5 + 0.5 w) = [0.777816, 0.666457, 0.648412].
     Loser: c = [-0.3, -0.185], B = [0.425557, 0.453881], dB = [-0.074443, 0.028324], q = -dB, z = [0.99806, -0.99806],
       w = [1.199612, 0.800388], At = -A (0.5 + 0.5 w) = [-0.777679, -0.636533], and 0 on the padded turn."""
-    namespace: dict = {"__name__": "readme"}
-    exec(compile(CREDIT_EXAMPLE, "README.md", "exec"), namespace)
+    namespace = _run_block("credit.md", CREDIT_EXAMPLE)
     got = namespace["turn_adv"]
     assert got.shape == (2, 3) and got[1, 2].item() == 0.0
     expected = [0.777816, 0.666457, 0.648412, -0.777679, -0.636533, 0.0]

@@ -1,10 +1,11 @@
-"""Every command the README shows says its time, and the CPU ones do what they say when run as written.
+"""Every command the README and the docs show says its time, and the CPU ones do what they say when run as written.
 
 Each command line (`python train.py ...`, `agentopsd-train`, `agentopsd-eval`, `agentopsd-export`) carries a
-comment with its time on a 2-core CPU, or says it needs GPUs. The CPU ones run here in the README's order in
-one fresh folder, as a user would type them (the quickstart first: the export reads its run), those stated
-at over a minute shortened the way the README says. A command the README changes breaks this test, not a
-newcomer's first hour.
+comment with its time on a 2-core CPU, or says it needs GPUs. The pages are README.md, then docs/ in the site's
+nav order (tests/test_docs.py: doc_pages); a command shown on several pages runs once, where it first appears.
+The CPU ones run here in that order in one fresh folder, as a user would type them (the quickstart first: the export reads its run), those stated
+at over a minute shortened the way the pages say. A command a page changes breaks this test, not a newcomer's
+first hour.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_docs import code_blocks, doc_pages
+
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-BASH = [line.strip() for lang, code in re.findall(r"```(\w*)\n(.*?)```", README, flags=re.DOTALL) if lang == "bash"
+PAGES = doc_pages()
+BASH = [line.strip() for _, text in PAGES for lang, code in code_blocks(text) if lang == "bash"
         for line in code.splitlines() if line.strip()]
 COMMAND_WORDS = ("train.py", "agentopsd-train", "agentopsd-eval", "agentopsd-export")
-COMMANDS = [line for line in BASH if any(w in line.split("#", 1)[0] for w in COMMAND_WORDS)]
-SHORTENED = re.search(r"shortened: `([^`]+)`", README)
+COMMANDS = list(dict.fromkeys(line for line in BASH if any(w in line.split("#", 1)[0] for w in COMMAND_WORDS)))
+SHORTENED = re.search(r"shortened: `([^`]+)`", "\n".join(text for _, text in PAGES))
 
 
 def stated_seconds(line: str) -> float | None:
@@ -46,11 +49,11 @@ def needs_gpu(line: str) -> bool:
 def test_every_command_states_its_time_or_that_it_needs_gpus():
     assert len(COMMANDS) >= 10 and SHORTENED
     unstated = [line for line in COMMANDS if stated_seconds(line) is None and not needs_gpu(line)]
-    assert not unstated, f"README commands without a time in their comment: {unstated}"
+    assert not unstated, f"README/docs commands without a time in their comment: {unstated}"
 
 
 def _argv(command: str) -> list[str]:
-    """A README command as a process: `python train.py` from any folder, the console scripts of this install."""
+    """A page's command as a process: `python train.py` from any folder, the console scripts of this install."""
     words = shlex.split(command)
     if words[:2] == ["python", "train.py"]:
         return [sys.executable, str(ROOT / "train.py"), *words[2:]]
@@ -79,7 +82,7 @@ def _has_key(command: str, key: str) -> bool:
 
 
 def shorten(command: str) -> str:
-    """The README's shortening overrides in place of the command's own values of those keys, where the command's
+    """The pages' shortening overrides in place of the command's own values of those keys, where the command's
     config has them (an environment without a warm start has no warm_start.steps)."""
     short = shlex.split(SHORTENED.group(1))
     tool = "python train.py" if command.startswith("python train.py") else command.split()[0]
@@ -107,7 +110,7 @@ def test_the_cpu_commands_run_in_order_as_written(tmp_path):
             command = shorten(command)
         start = time.monotonic()
         proc = subprocess.run(_argv(command), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
-        print(f"{time.monotonic() - start:6.1f} s  {command}", flush=True)  # beside the README's stated times (-s)
+        print(f"{time.monotonic() - start:6.1f} s  {command}", flush=True)  # beside the pages' stated times (-s)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
         outputs[command] = proc.stdout + proc.stderr
         if "train.py" in command:
@@ -123,7 +126,7 @@ def test_the_cpu_commands_run_in_order_as_written(tmp_path):
 
 
 def test_shortening_replaces_the_commands_own_values_and_skips_absent_keys():
-    assert SHORTENED, "the README says how to shorten a long command"
+    assert SHORTENED, "a page says how to shorten a long command"
     short = shorten("python train.py env=webshop num_iterations=4")
     assert "num_iterations=4" not in short and "num_iterations=1" in short and "warm_start.steps=" in short
     bare = shorten("python train.py experiment=none env=searchqa algorithm=grpo")
