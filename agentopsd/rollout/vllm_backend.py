@@ -531,6 +531,9 @@ def _lora_delta(layer: nn.Module) -> torch.Tensor | None:
             transpose = True
         else:
             continue
+        if a.dim() != 2:
+            raise NotImplementedError(f"vLLM weight sync: LoRA on {type(layer).__name__} (weights of {a.dim()} dims) "
+                                      "cannot be merged here; target linear or embedding layers (model.lora.target_modules)")
         a, b = _full(a, torch.float32), _full(b, torch.float32)
         delta = b @ a
         del a, b

@@ -179,3 +179,28 @@ def test_decoder_layers_are_found_through_the_peft_wrapper(arch, lora):
         model = apply_lora(model, {"r": 2, "target_modules": "all-linear"})
     assert [id(m) for m in decoder_layers(model)] == [id(m) for m in want]
     assert decoder_layers(torch.nn.Linear(2, 2)) == []  # no layers: prepare_policy warns, shards the root only
+
+
+def test_the_streamed_merge_equals_peft_merge_for_linear_and_embedding_lora():
+    """One process: the sync's per-layer merge against ``merge_and_unload``, LoRA on the embedding too."""
+    import peft
+    import transformers
+
+    from agentopsd.rollout.vllm_backend import iter_full_weights
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
+                                peft.LoraConfig(r=2, lora_alpha=4, target_modules=["embed_tokens", "q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_" in name:  # peft starts the embedding's A at zero
+                torch.nn.init.normal_(param, std=0.1)
+    got = dict(iter_full_weights(model, None))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want = {k: v.detach() for k, v in model.merge_and_unload().state_dict().items()}
+    assert list(got) == list(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert not torch.equal(got["model.embed_tokens.weight"], before["base_model.model.model.embed_tokens.base_layer.weight"])
