@@ -204,3 +204,11 @@ def test_every_group_option_says_what_it_is():
             option, header = f"{group}={path.stem}", gen._first_comment(path)
             assert header or gen.OPTION_NOTES.get(option), f"{option}: no header comment and no OPTION_NOTES entry"
             assert not (header and option in gen.OPTION_NOTES), f"{option} has a header now: drop it from OPTION_NOTES"
+
+
+def test_the_code_layout_names_only_files_that_exist():
+    page = (DOCS / "reference" / "architecture.md").read_text()
+    named = set(re.findall(r"\b([\w]+\.(?:py|sh))\b", page))
+    existing = {p.name for d in ("agentopsd", "envs", "callbacks", "scripts", "benchmarks") for p in (ROOT / d).rglob("*")}
+    existing |= {p.name for p in ROOT.glob("*.py")}
+    assert len(named) > 40 and not named - existing, sorted(named - existing)
