@@ -128,6 +128,10 @@ class OptimConfig:
     """Move AdamW's states to host memory after each update and back before the next (verl's
     ``optimizer_offload``): the rollout (vLLM's share) and the scoring passes run without them on the GPU.
     Costs two host/device copies of the states per iteration."""
+    defer_grad_reduction: bool = False
+    """Under FSDP2 (``trainer=fsdp``), reduce-scatter the gradients once per mini-batch, at its last micro-batch,
+    instead of after every micro-batch: fewer collectives, but each rank holds the unsharded gradients of every
+    layer meanwhile (the whole model's, in float32): for small models, or many micro-batches. No effect elsewhere."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -348,7 +348,9 @@ class AgentRLModule(L.LightningModule):
                 normalizer = max(1.0, sum(c[1] for c in counts))
                 micros += [None] * (int(max(c[0] for c in counts)) - len(micros))
                 minibatch_loss = 0.0
-                for micro in micros:
+                for i, micro in enumerate(micros):
+                    # every rank runs the same count of micro-batches, so "the last" is the same pass on every rank
+                    self._gradient_sync(last=i == len(micros) - 1)
                     if micro is None:  # a dummy pass through the same code, contributing nothing
                         dummy, rows = self.scorer.placeholder_batch(with_reference=algo.kl_coef > 0)
                         self.manual_backward(self._micro_loss(dummy, rows, normalizer, None)[0] * 0.0)
@@ -375,6 +377,12 @@ class AgentRLModule(L.LightningModule):
         metrics = reduce_metrics(metrics, "update/metrics", rule=_metric_rule)
         metrics.update(self.rollout_metrics)
         return metrics, torch.tensor(sum(losses) / max(len(losses), 1))
+
+    def _gradient_sync(self, last: bool) -> None:
+        """Under FSDP2 with ``optim.defer_grad_reduction``, the next backward reduce-scatters its gradients only
+        when it is the mini-batch's ``last``: the others accumulate unsharded gradients on each rank."""
+        if self._sharded and self.optim_cfg.defer_grad_reduction and hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(last)
 
     def _micro_loss(self, batch: RolloutBatch, rows: Tensor, normalizer: float,
                     stats_log: dict[str, list[float]] | None) -> tuple[Tensor, float]:

@@ -1,7 +1,7 @@
 """One PPO update on fixed rows, under 1 process or 2 (DDP or FSDP2, gloo): writes each rank's reduced
 gradient, loss and updated weights, so a test can compare them (tests/test_distributed_numbers.py).
 
-    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp}
+    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp,fsdp-deferred}
 
 The 7 rows (unequal prompt and action lengths, advantages of both signs) are split unequally in the
 2-process runs: rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 2 (1 micro-batch, then dummy
@@ -77,12 +77,14 @@ class FixedRowsModule(AgentRLModule):
 
     def _optimizer_step(self, opt, sched, stats_log) -> None:
         rank, _ = rank_and_world()
+        (self.out / f"reductions-rank{rank}.txt").write_text(str(REDUCTIONS["n"] - self.reductions_before))
         grads = {n: _full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None}
         if rank == 0:
             torch.save(grads, self.out / "grads.pt")
         super()._optimizer_step(opt, sched, stats_log)
 
     def update(self, batch, batch_idx):
+        self.reductions_before = REDUCTIONS["n"]
         metrics, loss = super().update(batch, batch_idx)
         if rank_and_world()[0] == 0:
             torch.save({k: v for k, v in metrics.items() if k.startswith("loss/")}, self.out / "metrics.pt")
@@ -99,20 +101,40 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone().cpu()
 
 
+REDUCTIONS = {"n": 0}
+"""Reduce-scatters and all-reduces this process issued (the update's gradient reductions are counted between
+its start and the optimizer step)."""
+
+
+def count_reductions() -> None:
+    import torch.distributed as dist
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single", "all_reduce"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, **kwargs):
+            REDUCTIONS["n"] += 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
 def main(out: Path, mode: str) -> None:
     from agentopsd.tiny import tiny_policy
 
+    count_reductions()
     torch.manual_seed(0)
     model, tokenizer = tiny_policy(ENV, vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                                    text_episodes=4, cache_dir=str(out / "tok"))
     algo = Algorithm(kl_coef=0.05, entropy_coef=0.01)
     module = FixedRowsModule(
         out, model, tokenizer, algorithm=algo, env=EnvConfig(id=ENV), rollout=RolloutConfig(),
-        optim=OptimConfig(lr=1e-3, ppo_epochs=1, num_mini_batches=1, micro_batch_size=2),
+        optim=OptimConfig(lr=1e-3, ppo_epochs=1, num_mini_batches=1, micro_batch_size=2,
+                          defer_grad_reduction=mode == "fsdp-deferred"),
         evaluation=EvalConfig(num_tasks=1), num_iterations=1,
     )
     strategy = {"single": "auto", "ddp": "ddp"}.get(mode)
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         from agentopsd.strategies import FSDP2Strategy
 
         strategy = FSDP2Strategy()

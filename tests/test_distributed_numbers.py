@@ -25,14 +25,27 @@ def probe(out: Path, mode: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> Path:
-    return probe(tmp_path_factory.mktemp("single"), "single")
+def probed(tmp_path_factory):
+    """Each mode's probe, run once for every test of this file."""
+    done: dict[str, Path] = {}
+
+    def get(mode: str) -> Path:
+        if mode not in done:
+            done[mode] = probe(tmp_path_factory.mktemp(mode), mode)
+        return done[mode]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def single(probed) -> Path:
+    return probed("single")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
-def test_two_process_update_equals_one_process(single, mode, tmp_path):
-    out = probe(tmp_path / mode, mode)
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-deferred"])
+def test_two_process_update_equals_one_process(single, probed, mode):
+    out = probed(mode)
     want, got = torch.load(single / "grads.pt"), torch.load(out / "grads.pt")
     assert set(got) == set(want) and len(want) > 10
     for name, g in want.items():
@@ -44,3 +57,13 @@ def test_two_process_update_equals_one_process(single, mode, tmp_path):
     assert max(float((w0[k] - ws[k]).abs().max()) for k in ws) < 1e-4
     m_want, m_got = torch.load(single / "metrics.pt"), torch.load(out / "metrics.pt")
     assert m_got["loss/total"] == pytest.approx(m_want["loss/total"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_deferred_reduction_reduce_scatters_once_per_mini_batch(probed):
+    """optim.defer_grad_reduction: each FSDP2 unit (2 decoder layers and the root) reduce-scatters once, at the
+    last of the mini-batch's 3 micro-batches, on both ranks (rank 1 runs 2 of them as dummies), not 3 times."""
+    plain, deferred = probed("fsdp"), probed("fsdp-deferred")
+    for rank in (0, 1):
+        assert (plain / f"reductions-rank{rank}.txt").read_text() == "9"
+        assert (deferred / f"reductions-rank{rank}.txt").read_text() == "3"
