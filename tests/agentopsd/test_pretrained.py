@@ -205,8 +205,10 @@ def test_smollm2_prepared_folder_equals_transformers_gguf_load(smollm2_dir, smol
     reference_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = torch.tensor([chat_ids(tokenizer, "<action>go forward</action>")])
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)  # bit for bit
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, atol=1e-5, rtol=0)
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
     texts = ["<action>go forward</action> 123 hello", "  Ünïcode café\n\n\tx  y", "<|im_start|>user\nhi<|im_end|>\n"]
     for text in texts:
         assert tokenizer(text).input_ids == reference_tok(text).input_ids, text
@@ -333,3 +335,14 @@ def test_smollm2_lora_export_merged_then_reloaded_gives_the_same_logits(smollm2,
     assert reloaded.generation_config.stop_strings == ["</action>"]
     eos = reloaded.generation_config.eos_token_id
     assert IM_END_ID in (eos if isinstance(eos, list) else [eos])
+
+
+@pytest.mark.xfail(strict=True, reason="agentopsd.export._hf_skeleton builds the model without tying its embeddings "
+                   "(from_config under no_init_weights): a tied model's export stores lm_head apart; fix: "
+                   "model.tie_weights() after from_config")
+def test_smollm2_export_skeleton_keeps_the_embeddings_tied(smollm2_dir):
+    from agentopsd import export
+
+    model, _ = export._hf_skeleton({"_target_": "agentopsd.models.load_policy", "path": NAME, "lora": None})
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
