@@ -29,6 +29,7 @@ from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import eval_task_list, pooled_metrics
 from agentopsd.objective import micro_batch_loss
+from agentopsd.offload import offload_optimizer_states, restore_optimizer_states
 from agentopsd.oom import out_of_memory_ends_the_job
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rng_state import capture, restore
@@ -327,6 +328,8 @@ class AgentRLModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         algo, cfg = self.algorithm, self.optim_cfg
+        if cfg.offload_optimizer:  # the states come back from host memory for this update's steps
+            restore_optimizer_states(opt.optimizer if hasattr(opt, "optimizer") else opt, self.device)
         _, world = rank_and_world()
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         stats_log: dict[str, list[float]] = {}
@@ -365,6 +368,8 @@ class AgentRLModule(L.LightningModule):
                 stats_log.setdefault("total", []).append(minibatch_loss)
                 first = False
                 self._optimizer_step(opt, sched, stats_log)
+        if cfg.offload_optimizer:  # off the device until the next update: the rollout's engine gets the room
+            offload_optimizer_states(opt.optimizer if hasattr(opt, "optimizer") else opt)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
         metrics["loss/first_ratio_dev"] = self.first_ratio_dev
         metrics["rollout/iteration"] = float(self.iteration + 1)  # numbered like every log: iterations completed by this update

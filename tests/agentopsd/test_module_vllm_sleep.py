@@ -6,6 +6,7 @@ names the rank and the phase."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -101,3 +102,27 @@ def test_a_fresh_run_needs_no_sync_before_its_first_rollout(fake_vllm, policy_fo
     module = vllm_module(policy_folder, iterations=1)
     module.evaluate()
     assert "load" not in kinds(fake_vllm.EVENTS)  # the engine loaded these very weights from the folder
+
+
+def test_optimizer_states_leave_the_device_between_updates(fake_vllm, policy_folder, monkeypatch):
+    """optim.offload_optimizer: the states come back before each update's first step and leave after its last,
+    so the engine wakes (after the cache release) without them."""
+    from agentopsd import module as module_lib
+
+    def record(name, real):
+        def run(*args, **kwargs):
+            fake_vllm.EVENTS.append((name,))
+            return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(module_lib, "offload_optimizer_states", record("offload", module_lib.offload_optimizer_states))
+    monkeypatch.setattr(module_lib, "restore_optimizer_states", record("restore", module_lib.restore_optimizer_states))
+    module = vllm_module(policy_folder)
+    module.optim_cfg = dataclasses.replace(module.optim_cfg, offload_optimizer=True)
+    fit(module, 2)
+    assert kinds(fake_vllm.EVENTS) == (
+        ["release", "generate", "sleep", "restore", "optimizer_step", "offload"]
+        + WAKE + ["generate", "sleep", "restore", "optimizer_step", "offload"]
+    ), " ".join(kinds(fake_vllm.EVENTS))
+    opt = module.optimizers().optimizer
+    assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values() if v.dim() > 0)
