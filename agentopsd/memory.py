@@ -10,30 +10,38 @@ What it counts, per GPU (bytes; printed in GiB):
   its gradient for the whole forward and backward (FSDP2 does not reshard the root after forward, and
   reduce-scatters its gradient last), plus two decoder layers (the one computing and the one
   prefetched) and one layer's gradient before its reduce-scatter; under DDP the gradient buckets;
-- activations at ``optim.micro_batch_size`` rows (or, with ``optim.max_tokens_per_micro_batch``, as many
-  longest rows as the budget holds) of ``env.max_prompt_tokens + rollout.max_new_tokens``
-  tokens: with gradient checkpointing each layer's input plus one layer recomputed (its activations and
-  their gradients), without it every layer's activations;
-- the LM head's logits: ``vocab`` values and their gradient in the compute dtype per position the head
-  runs at, plus at the action positions (rows x ``max_new_tokens``) the float32 copy the log-softmax
-  keeps and its gradient (and, with ``algorithm.entropy_coef > 0``, the entropy's float32 log-softmax,
-  probabilities and gradient). The trainer runs the head only at action positions (rows x ``max_new_tokens``), sharded or not;
+- activations at ``optim.micro_batch_size`` rows (or, with ``optim.max_tokens_per_micro_batch``, the budget's
+  tokens) of ``env.max_prompt_tokens + rollout.max_new_tokens`` tokens: with gradient checkpointing each
+  layer's input plus one layer recomputed (its activations and their gradients), without it every layer's
+  activations and one layer's backward;
+- the LM head's logits at the most action positions a micro-batch can hold (``worst_case_head_positions``:
+  under a token budget short rows with long actions pack far more than the longest rows), 16 bytes per logit
+  for the log-probs and 8 more for the entropy bonus (float32 copies and their gradients, measured), or with
+  ``optim.logits_chunk_tokens`` one chunk's (``logits_bytes``);
+- AdamW's step: foreach on a GPU holds one more state-sized tensor (the square root of ``exp_avg_sq``);
+- a no-grad scoring pass (old, reference and teacher log-probs) beside the resident state;
 - a frozen reference copy of the policy when ``algorithm.kl_coef > 0``, in the dtype the weights load in
   (``model.dtype``), sharded like the policy under FSDP2;
 - vLLM's share, ``rollout.vllm.gpu_memory_utilization`` x the GPU's memory (its weights, KV cache and
-  activations all live inside it), and a fixed margin for the CUDA context, NCCL and fragmentation;
+  activations all live inside it), and estimates for the CUDA context, NCCL and fragmentation
+  (``RUNTIME_MARGIN_BYTES``) and for a sleeping engine (``VLLM_ASLEEP_BYTES``), named as such in the report;
 - the weight sync's temporary memory: two full tensors of the largest weight in the dtype they travel in
   (the one being gathered and the one the engine is loading).
 
-With vLLM the plan is the largest of three phases (``MemoryPlan.phases``). With sleep mode
-(``rollout.vllm.enable_sleep_mode``: ``auto``/true, on CUDA) the engine holds only a residual during the
-update and scoring passes (``VLLM_ASLEEP_BYTES``, an estimate), the sync runs with vLLM's weights awake but
-not its KV cache, and the rollout holds vLLM's whole share beside the sharded weights, AdamW states and
-reference (the trainer drops the gradients before waking the engine). Without sleep mode vLLM's share sits
-beside everything at every phase. These are estimates: no GPU has run this code yet.
+The plan is the largest of its phases (``MemoryPlan.phases``: the update's forward and backward, its
+optimizer step, the scoring passes, and with vLLM the weight sync and the rollout); the report prints each
+phase's margin (GPU memory minus the phase). With sleep mode (``rollout.vllm.enable_sleep_mode``: ``auto``/true,
+on CUDA) the engine holds only its residual during the update and scoring, the sync runs with vLLM's weights
+awake but not its KV cache, and the rollout holds vLLM's whole share beside the weights, the reference and
+AdamW's states unless ``optim.offload_optimizer`` moved them to host memory (the trainer drops the gradients
+before waking the engine). Without sleep mode vLLM's share sits beside everything at every phase.
 
-Estimates, not measurements: attention is assumed to be a fused kernel (no sequence x sequence
-matrix), and the per-layer activation count is the tensors a Qwen2 layer saves for its backward.
+On CPU the plan of the tiny runs is checked against the allocator's measured peak of an update step
+(``measure_cpu_peak``; ``tests/agentopsd/test_memory.py``): it counts 7-15% more. No GPU has run this code yet.
+
+Assumed, not measured on a GPU: attention is a fused kernel (SDPA/flash: no sequence x sequence matrix;
+``eager`` attention holds far more), and the per-layer activation count is the tensors a Qwen2 layer saves
+for its backward (checked on CPU).
 """
 
 from __future__ import annotations
@@ -56,9 +64,9 @@ GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0
 """Planning default when no GPU is visible and none is named: an 80 GB A100/H100."""
 RUNTIME_MARGIN_BYTES = 2 * GIB
+"""CUDA context (about 0.5 GiB), NCCL buffers and the caching allocator's fragmentation: an estimate, not measured."""
 VLLM_ASLEEP_BYTES = GIB
 """What a vLLM engine keeps after ``sleep(level=2)`` (CUDA graphs, sampler buffers): an estimate, not measured."""
-"""CUDA context (about 0.5 GiB), NCCL buffers and the caching allocator's fragmentation: a margin."""
 ADAM_STATES = 2
 """AdamW keeps exp_avg and exp_avg_sq, each the size of the parameters."""
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
@@ -104,8 +112,24 @@ class Architecture:
     @property
     def activation_elements_per_token(self) -> int:
         """Values one layer saves for backward per token: both RMSNorms' inputs and outputs (4h), q, k, v
-        after RoPE (h + 2 kv), the attention output (h), and gate, up, SiLU(gate) and their product (4i)."""
-        return 6 * self.hidden_size + 2 * self.kv_dim + 4 * self.intermediate_size
+        after RoPE (h + 2 kv), the attention output and its head-merged copy (2h), and gate, up, SiLU(gate) and
+        their product (4i); 1h more seen on CPU (1,062 values a token measured at h 64, kv 16, i 128, where
+        7h + 2kv + 4i = 992 and 8h + 2kv + 4i = 1,056)."""
+        return 8 * self.hidden_size + 2 * self.kv_dim + 4 * self.intermediate_size
+
+    @property
+    def backward_elements_per_token(self) -> int:
+        """Values per token the backward of one layer holds beside the saved ones: the MLP's input gradients (2i)
+        and the residual stream's (h). Fitted, with :attr:`outside_layers_elements_per_token`, to CPU measurements
+        (:func:`measure_cpu_peak`) of two tiny Qwen2 sizes: 1,146 and 394 values a token measured, 1,216 and 352
+        counted (h 128/64, i 512/128)."""
+        return 2 * self.intermediate_size + self.hidden_size
+
+    @property
+    def outside_layers_elements_per_token(self) -> int:
+        """Values per token outside the decoder layers: the final RMSNorm's output (h) and RoPE's cos and sin
+        (2 x head dim)."""
+        return self.hidden_size + 2 * (self.hidden_size // self.num_heads)
 
 
 def _qwen(h: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> Architecture:
@@ -269,6 +293,54 @@ def gpu_memory(cfg: DictConfig | None = None, gpu_memory_gib: float | None = Non
 
 # ---------------------------------------------------------------------------------------- the plan
 
+LOGIT_GRAD_BYTES = 16
+"""Peak bytes per logit (positions x vocabulary) of the trainer's log-probs with gradient, forward and
+backward: the float32 copy ``token_logprobs``' logsumexp keeps, then the backward's float32 gradients, which
+outweigh the compute-dtype logits in bfloat16 and float32 alike. Measured with :func:`measure_cpu_peak` on the
+trainer's own code (``tests/agentopsd/test_memory.py`` checks it); the same operators run on a GPU."""
+LOGIT_ENTROPY_BYTES = 8
+"""What the entropy bonus adds per logit: the float32 log-softmax and probabilities ``token_entropy`` keeps
+(24 bytes per logit in all, measured as above)."""
+LOGIT_DISTILL_BYTES = 16
+"""What full-vocabulary distillation (``grpo_opsd``: the student's logits kept, the teacher's, both
+log-softmaxes) adds per logit: an estimate, not measured."""
+
+
+def logit_nograd_bytes(compute_bytes: int) -> int:
+    """Peak bytes per logit of a no-grad scoring pass: the logits divided by the temperature, their float32 copy
+    (none when they are float32 already) and the logsumexp's float32 temporary (measured as above)."""
+    return compute_bytes + 4 + (4 if compute_bytes < 4 else 0)
+
+
+def logits_bytes(positions: int, vocab: int, hidden: int, compute_bytes: int, *, entropy: bool, chunk: int = 0,
+                 keeps_logits: bool = False) -> int:
+    """Peak bytes of the LM head and its log-softmax in one micro-batch's forward and backward, at ``positions``
+    action positions: every position's logits at once, or (``chunk`` > 0, :func:`agentopsd.rollout.scoring.
+    chunked_scores`) one chunk's, plus the head's weight in the compute dtype and its gradient summed over the
+    chunks, and every position's hidden state (kept for the recompute) and two float32 scores."""
+    per_logit = LOGIT_GRAD_BYTES + (LOGIT_ENTROPY_BYTES if entropy else 0) + (LOGIT_DISTILL_BYTES if keeps_logits else 0)
+    if chunk > 0 and not keeps_logits:
+        chunk = min(chunk, positions)
+        return chunk * vocab * per_logit + 2 * vocab * hidden * compute_bytes + positions * (hidden * compute_bytes + 8)
+    return positions * vocab * per_logit
+
+
+def worst_case_head_positions(micro_batch_size: int, budget: int, sequence: int, new_tokens: int) -> int:
+    """The most action positions (the LM head's positions) one micro-batch can hold.
+
+    By rows, ``micro_batch_size`` rows of at most ``new_tokens`` action tokens each. By tokens (``budget`` > 0),
+    :func:`agentopsd.rollout.scoring.token_budget_groups` takes rows of padded length ``L`` while rows x ``L``
+    fits the budget, each with at most ``min(new_tokens, L - 1)`` action positions: short rows with long
+    actions pack the most (10,240 tokens hold 20 rows of 512 with 511 action tokens each, 10,220 positions,
+    where 4 rows of the longest length hold 2,048). A row longer than the budget goes alone.
+    """
+    if budget <= 0:
+        return micro_batch_size * new_tokens
+    best = min(new_tokens, sequence - 1) if sequence > budget else 0  # one row alone, past the budget
+    for length in range(2, min(sequence, budget) + 1):
+        best = max(best, (budget // length) * min(new_tokens, length - 1))
+    return best
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -287,10 +359,11 @@ class MemoryPlan:
     """Master weights, their gradients and AdamW's states."""
     compute_dtype: str
     micro_batch_size: int
+    """Rows of the longest length one micro-batch holds."""
     sequence_tokens: int
     """env.max_prompt_tokens + rollout.max_new_tokens: the longest row of a micro-batch."""
     head_positions: int
-    """Positions the LM head runs at in one micro-batch."""
+    """The most positions the LM head runs at in one micro-batch (:func:`worst_case_head_positions`)."""
     gradient_checkpointing: bool
     weights: int
     gradients: int
@@ -299,6 +372,7 @@ class MemoryPlan:
     """Unsharded copies while computing (FSDP2) or DDP's gradient buckets."""
     activations: int
     logits: int
+    """The LM head and its log-softmax in the update, at ``head_positions`` (or one chunk of them)."""
     reference: int
     """The frozen reference policy (KL penalty on)."""
     vllm: int
@@ -315,23 +389,60 @@ class MemoryPlan:
     """vLLM sleeps (level 2) during the update and scoring passes."""
     sync_temporary: int = 0
     """The weight sync's full tensors in flight (two of the largest weight)."""
+    logits_chunk: int = 0
+    """``optim.logits_chunk_tokens`` where it applies (0: the head runs over all positions at once)."""
+    step_temporary: int = 0
+    """AdamW's step: the temporaries beside weights, gradients and states (foreach on a GPU: one more
+    state-sized tensor, the square root of ``exp_avg_sq``)."""
+    scoring: int = 0
+    """A no-grad scoring pass (old, reference, teacher log-probs) beyond the resident state."""
+    offload_optimizer: bool = False
+    """``optim.offload_optimizer``: AdamW's states are in host memory outside the update."""
+    vllm_asleep: int = 0
+    """What a sleeping vLLM engine keeps (``VLLM_ASLEEP_BYTES``, an estimate)."""
 
     @property
     def training(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.gathered + self.activations + self.logits + self.reference
 
     @property
-    def phases(self) -> dict[str, int]:
-        """Per-GPU bytes in each phase of an iteration (one phase, ``update``, without vLLM)."""
+    def _vllm_beside_update(self) -> int:
+        """vLLM's memory while the trainer computes: its residual when asleep, else its whole share."""
         if not self.vllm:
-            return {"update": self.training + self.margin}
-        resident = self.weights + self.optimizer + self.reference + self.margin  # gradients dropped before the wake
-        if not self.sleep_mode:
-            return {"update": self.training + self.vllm + self.margin,
-                    "sync": resident + self.vllm + self.sync_temporary}
-        return {"update": self.training + VLLM_ASLEEP_BYTES + self.margin,
-                "sync": resident + self.vllm_weights + self.sync_temporary,
-                "rollout": resident + self.vllm}
+            return 0
+        return self.vllm_asleep if self.sleep_mode else self.vllm
+
+    @property
+    def resident(self) -> int:
+        """Between updates: weights, AdamW's states (unless offloaded), the reference and the margin (the
+        gradients are dropped before vLLM wakes)."""
+        return self.weights + (0 if self.offload_optimizer else self.optimizer) + self.reference + self.margin
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Per-GPU bytes in each phase of an iteration: the update's forward and backward (``update``), its
+        optimizer step, the no-grad scoring passes after the rollout and, with vLLM, the weight sync and the
+        rollout."""
+        beside = self._vllm_beside_update
+        step_buckets = self.gathered if self.strategy == "ddp" else 0  # DDP's buckets outlive the backward
+        out = {
+            "update": self.training + beside + self.margin,
+            "optimizer step": (self.weights + self.gradients + self.optimizer + step_buckets + self.step_temporary
+                               + self.reference + beside + self.margin),
+            "scoring": self.resident + self.scoring + beside,
+        }
+        if self.vllm:
+            if self.sleep_mode:
+                out["sync"] = self.resident + self.vllm_weights + self.sync_temporary
+                out["rollout"] = self.resident + self.vllm
+            else:
+                out["sync"] = self.resident + self.vllm + self.sync_temporary
+        return out
+
+    @property
+    def margins(self) -> dict[str, int]:
+        """GPU memory left in each phase (negative: it does not fit)."""
+        return {phase: self.gpu_memory - value for phase, value in self.phases.items()}
 
     @property
     def total(self) -> int:
@@ -365,6 +476,11 @@ class MemoryPlan:
                            f"weights, gradients and AdamW states take {_gib(self.sharded_state)} GiB)")
         else:
             out.append(f"trainer=fsdp shards weights, gradients and AdamW states ({_gib(self.sharded_state)} GiB) over the devices")
+        if not self.logits_chunk and self.logits > GIB:
+            out.append(f"optim.logits_chunk_tokens=1024 (the LM head's logits take {_gib(self.logits)} GiB at "
+                       f"{self.head_positions} positions at once)")
+        if not self.offload_optimizer and self.vllm and max(self.phases, key=self.phases.get) in ("rollout", "sync"):
+            out.append(f"optim.offload_optimizer=true (AdamW's {_gib(self.optimizer)} GiB in host memory during the rollout)")
         if self.micro_batch_size > 1:
             out.append(f"a smaller optim.micro_batch_size or optim.max_tokens_per_micro_batch (now {self.micro_batch_size} rows; activations and logits "
                        f"take {_gib(self.activations + self.logits)} GiB, proportional to it)")
@@ -381,7 +497,10 @@ class MemoryPlan:
 
     def _devices_needed(self) -> int:
         """The fewest devices at which every phase fits, sharding what FSDP2 shards (0: none does)."""
-        sharded = {"update": self.sharded_state, "sync": self.weights + self.optimizer, "rollout": self.weights + self.optimizer}
+        held = self.weights + (0 if self.offload_optimizer else self.optimizer) + self.reference
+        sharded = {"update": self.sharded_state + self.reference,
+                   "optimizer step": self.sharded_state + self.step_temporary + self.reference,
+                   "scoring": held, "sync": held, "rollout": held}
         need = 0
         for phase, total in self.phases.items():
             rest = self.gpu_memory - (total - sharded[phase])
@@ -391,11 +510,17 @@ class MemoryPlan:
         return need
 
     @property
-    def _entropy_note(self) -> str:
-        return ", entropy bonus" if self.entropy_bonus else ""
+    def _logits_label(self) -> str:
+        a = self.architecture
+        what = f"{self.head_positions} positions x {a.vocab_size if a else 0} vocab"
+        if self.entropy_bonus:
+            what += ", entropy bonus"
+        if self.logits_chunk:
+            what += f"; in chunks of {self.logits_chunk}"
+        return f"LM-head logits ({what})"
 
     def report(self) -> str:
-        """The table printed before training: one line per item, GiB per GPU."""
+        """The table printed before training: one line per item, GiB per GPU, and each phase's margin."""
         if self.architecture is None:
             return f"memory plan: no estimate for {self.model}: {self.unknown_reason}"
         a = self.architecture
@@ -409,34 +534,42 @@ class MemoryPlan:
         else:
             gathered = "nothing gathered"
         ckpt = "checkpointed" if self.gradient_checkpointing else "no checkpointing"
+        offloaded = ", in host memory outside the update" if self.offload_optimizer else ""
         rows = [
             (f"weights ({self.param_dtype}, {shard})", self.weights),
             (f"gradients ({self.param_dtype}, {shard})", self.gradients),
-            (f"AdamW states (2 x {self.param_dtype}, {shard})", self.optimizer),
+            (f"AdamW states (2 x {self.param_dtype}, {shard}{offloaded})", self.optimizer),
+            ("AdamW step temporaries", self.step_temporary),
             (gathered, self.gathered),
             (f"activations ({ckpt}, {self.micro_batch_size} x {self.sequence_tokens} tokens)", self.activations),
-            (f"LM-head logits ({self.head_positions} positions x {a.vocab_size} vocab{self._entropy_note})", self.logits),
+            (self._logits_label, self.logits),
+            ("scoring pass (no gradient)", self.scoring),
         ]
         if self.reference:
             rows.append(("reference policy (KL penalty, frozen, sharded like the policy)", self.reference))
         if self.vllm:
             rows.append((f"vLLM share (its weights: {_gib(self.vllm_weights)} GiB)", self.vllm))
             rows.append(("weight sync in flight (2 x the largest weight)", self.sync_temporary))
-        rows.append(("margin: CUDA context, NCCL, fragmentation", self.margin))
+            if self.sleep_mode:
+                rows.append(("vLLM asleep (CUDA graphs, buffers): an estimate", self.vllm_asleep))
+        rows.append(("CUDA context, NCCL, fragmentation: an estimate", self.margin))
         width = max(len(r[0]) for r in rows) + 2
         lines = [f"memory plan per GPU: {self.model} ({a.parameters / 1e9:.2f}B parameters, {a.source}), {how}, "
                  f"precision {self.precision} "
                  f"(compute {self.compute_dtype})"]
         lines += [f"  {label:<{width}}{_gib(value):>8} GiB" for label, value in rows]
         if self.vllm:
-            how_vllm = (f"vLLM sleeps during the update (keeps ~{_gib(VLLM_ASLEEP_BYTES)} GiB), wakes its weights for the sync, "
-                        "then its KV cache" if self.sleep_mode else "vLLM keeps its share through the update (no sleep mode)")
-            lines.append(f"  phases ({how_vllm}):")
-            lines += [f"    {phase:<{width - 2}}{_gib(value):>8} GiB" for phase, value in self.phases.items()]
+            lines.append("  phases (" + ("vLLM sleeps during the update and scoring, wakes its weights for the sync, then its "
+                                         "KV cache" if self.sleep_mode else "vLLM keeps its share throughout (no sleep mode)")
+                         + "), margin = GPU memory - phase:")
+        else:
+            lines.append("  phases, margin = GPU memory - phase:")
+        margins = self.margins
+        lines += [f"    {phase:<{width - 2}}{_gib(value):>8} GiB   margin {_gib(margins[phase]):>7} GiB"
+                  for phase, value in self.phases.items()]
         verdict = "fits" if self.total <= self.gpu_memory else "DOES NOT FIT"
-        label = "total (largest phase)" if self.vllm else "total"
-        lines.append(f"  {label:<{width}}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB "
-                     f"({self.gpu_memory_source}): {verdict}")
+        lines.append(f"  {'total (largest phase)':<{width}}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB "
+                     f"({self.gpu_memory_source}): {verdict}, margin {_gib(self.gpu_memory - self.total)} GiB")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -445,8 +578,18 @@ def _gib(n: int | float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def _algorithm_keeps_logits(cfg: DictConfig) -> bool:
+    """The algorithm needs the full-vocabulary logits (``needs_teacher_logits``: ``grpo_opsd``), which no chunking
+    can avoid."""
+    target = str(OmegaConf.select(cfg, "algorithm._target_", default="") or "")
+    name = str(OmegaConf.select(cfg, "algorithm.name", default="") or "")
+    return target.endswith(".GRPOOPSD") or name == "grpo_opsd"
+
+
 def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryPlan:
     """The per-GPU memory plan of the composed config ``cfg`` (reads it only: nothing is loaded)."""
+    from agentopsd.rollout.scoring import SCORING_HEAD_POSITIONS, SCORING_ROWS_TOKENS
+
     model_cfg, trainer = cfg.model, cfg.trainer
     arch, unknown = architecture_of(model_cfg)
     world, world_note = _world_size(trainer)
@@ -462,8 +605,13 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     budget = int(OmegaConf.select(cfg, "optim.max_tokens_per_micro_batch", default=0) or 0)
     if budget > 0:  # a token budget: micro-batches hold as many longest rows as fit (a longer row goes alone)
         micro = max(1, budget // seq)
+    tokens = max(budget, seq) if budget > 0 else micro * seq  # padded tokens of one micro-batch
     # the head runs only before action tokens (a sharded model's whole call passes them as logits_to_keep)
-    head_positions = micro * new_tokens
+    head_positions = worst_case_head_positions(int(cfg.optim.micro_batch_size), budget, seq, new_tokens)
+    keeps_logits = _algorithm_keeps_logits(cfg)
+    chunk_setting = int(OmegaConf.select(cfg, "optim.logits_chunk_tokens", default=0) or 0)
+    chunk = min(chunk_setting, head_positions) if chunk_setting > 0 and not keeps_logits else 0
+    offload = bool(OmegaConf.select(cfg, "optim.offload_optimizer", default=False))
     checkpointing = bool(model_cfg.get("gradient_checkpointing", False))
     gpu_bytes, gpu_source = gpu_memory(cfg, gpu_memory_gib)
     rollout = cfg.rollout
@@ -471,17 +619,21 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     uses_vllm = rollout.get("backend", "hf") == "vllm"
     lora_note = "model.lora is set: gradients and AdamW states are counted for every weight (an upper bound)" \
         if model_cfg.get("lora") else ""
-    notes = tuple(n for n in (world_note, lora_note) if n)
+    chunk_note = (f"optim.logits_chunk_tokens={chunk_setting} does not apply: the algorithm keeps the full logits"
+                  if chunk_setting > 0 and keeps_logits else "")
+    notes = tuple(n for n in (world_note, lora_note, chunk_note) if n)
     common = dict(model=str(model_cfg.get("path") or "tiny"), architecture=arch, unknown_reason=unknown, strategy=strategy,
                   world_size=world, precision=precision, param_dtype=param_dtype, compute_dtype=compute_dtype,
                   micro_batch_size=micro, sequence_tokens=seq, head_positions=head_positions,
-                  gradient_checkpointing=checkpointing, gpu_memory=gpu_bytes, gpu_memory_source=gpu_source, notes=notes)
+                  gradient_checkpointing=checkpointing, gpu_memory=gpu_bytes, gpu_memory_source=gpu_source, notes=notes,
+                  logits_chunk=chunk, offload_optimizer=offload)
     if arch is None:
         return MemoryPlan(**common, weights=0, gradients=0, optimizer=0, gathered=0, activations=0, logits=0, reference=0,
                           vllm=0, vllm_weights=0, entropy_bonus=False, margin=0)
     pb, cb = DTYPE_BYTES[param_dtype], DTYPE_BYTES[compute_dtype]
     shards = world if strategy == "fsdp2" else 1
     params = arch.parameters
+    h, vocab = arch.hidden_size, arch.vocab_size
     if strategy == "fsdp2":
         # root params and grads stay whole through forward and backward; two layers' params
         # (computing + prefetched) and one layer's gradient before its reduce-scatter
@@ -490,18 +642,26 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         gathered = params * pb  # gradient buckets: a second copy of every gradient
     else:
         gathered = 0
-    tokens = micro * seq
     layer_acts = tokens * arch.activation_elements_per_token * cb
+    outside = tokens * arch.outside_layers_elements_per_token * cb
     if checkpointing:  # each layer's input kept; one layer recomputed in backward, with its gradients
-        activations = arch.num_layers * tokens * arch.hidden_size * cb + 2 * layer_acts
-    else:
-        activations = arch.num_layers * layer_acts
-    # the head's output and its gradient in the compute dtype at every position it runs at; at the action
-    # positions the float32 copy the log-softmax keeps and its gradient, and with the entropy bonus the
-    # float32 log-softmax and probabilities its backward needs, and their gradient
-    actions = micro * new_tokens
+        activations = arch.num_layers * tokens * h * cb + 2 * layer_acts + outside
+    else:  # every layer's saved values, and the gradients of the one the backward is in
+        activations = arch.num_layers * layer_acts + tokens * arch.backward_elements_per_token * cb + outside
     entropy = float(OmegaConf.select(cfg, "algorithm.entropy_coef", default=0.0) or 0.0) > 0
-    logits = arch.vocab_size * (head_positions * 2 * cb + actions * (4 + 4) + (actions * 3 * 4 if entropy else 0))
+    logits = logits_bytes(head_positions, vocab, h, cb, entropy=entropy, chunk=chunk, keeps_logits=keeps_logits)
+    # a no-grad scoring pass: a sharded policy scores micro-batches through the whole model; otherwise the shared
+    # prefixes of up to SCORING_ROWS_TOKENS tokens run at once with their KV cache, and the head runs over
+    # SCORING_HEAD_POSITIONS positions at a time (either: one chunk with the lever)
+    if strategy == "fsdp2":
+        score_tokens, score_positions = tokens, head_positions
+        score_gathered, kv_cache = (arch.root_parameters + 2 * arch.layer_parameters) * pb, 0
+    else:
+        score_tokens, score_positions, score_gathered = SCORING_ROWS_TOKENS, SCORING_HEAD_POSITIONS, 0
+        kv_cache = arch.num_layers * 2 * arch.kv_dim * score_tokens * cb
+    layer_transient = score_tokens * (2 * h + 3 * arch.intermediate_size) * cb  # one layer's MLP at a time, no grad
+    scoring = (score_gathered + kv_cache + layer_transient + head_positions * h * cb
+               + (chunk or score_positions) * vocab * logit_nograd_bytes(cb))
     kl = float(OmegaConf.select(cfg, "algorithm.kl_coef", default=0.0) or 0.0)
     model_dtype_loaded = arch.checkpoint_dtype if model_dtype == "auto" else model_dtype
     ref_bytes = DTYPE_BYTES.get(param_dtype if precision in ("bf16-true", "16-true") else model_dtype_loaded, 4)
@@ -513,6 +673,10 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     sync_bytes = DTYPE_BYTES.get(vllm_dtype, 2) if vllm_dtype in ("float32", "float", "float16", "half") else 2
     largest = max(arch.vocab_size * arch.hidden_size, arch.intermediate_size * arch.hidden_size)
     sleep_setting = str(vllm_cfg.get("enable_sleep_mode", "auto")).lower()
+    on_cpu = str(trainer.get("accelerator", "auto")) == "cpu"
+    # AdamW's step: foreach on a GPU holds sqrt(exp_avg_sq) of every weight at once; the per-tensor loop torch
+    # takes on CPU holds that and its bias-corrected copy of the largest weight only
+    step_temporary = 2 * largest * pb if on_cpu else -(-params * pb // shards)
     return MemoryPlan(
         **common,
         weights=-(-params * pb // shards),
@@ -528,6 +692,9 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         margin=RUNTIME_MARGIN_BYTES,
         sleep_mode=uses_vllm and sleep_setting not in ("false", "0", "no", "off"),
         sync_temporary=2 * largest * sync_bytes if uses_vllm else 0,
+        step_temporary=step_temporary,
+        scoring=scoring,
+        vllm_asleep=VLLM_ASLEEP_BYTES if uses_vllm else 0,
     )
 
 
