@@ -1,9 +1,12 @@
 """The optimizer's states off the accelerator between updates (``optim.offload_optimizer``).
 
 AdamW keeps two float32 tensors per weight (``exp_avg``, ``exp_avg_sq``): for Qwen2.5-3B on one GPU, 23 GiB,
-twice the master weights. The update needs them only at its optimizer steps; the rollout (vLLM's share of the
-GPU) and the scoring passes never touch them. Moving them to host memory after the update and back before
-the next one, as verl's ``optimizer_offload`` does, frees them for vLLM during the rollout.
+twice the master weights. The update needs them only at its optimizer steps; the rollout never touches them.
+Moving them to host memory before vLLM wakes and back once it sleeps, as verl's ``optimizer_offload`` does,
+keeps vLLM's share and the states off the GPU at the same time.
+
+Both functions always move (copy) every state they find: the caller knows whether the states are out (a flag
+beside the optimizer), so a second offload or restore is the caller's to skip.
 
 Under FSDP2 the states are DTensors holding this rank's shard: each keeps its placements and only its local
 shard moves. Where CUDA is available the host copies are pinned, so both copies run asynchronously.
