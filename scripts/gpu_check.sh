@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# GPU check: train.py itself (Lightning, FSDP2 on one GPU, vLLM with CUDA) for 2 iterations of the
-# paper's ALFWorld and WebShop setups with a randomly initialised Qwen2 of Qwen2.5-0.5B's shape (no
-# download); prints one table: rollout, teacher-scoring and update tokens/s, peak GPU memory, time
-# per iteration (rollout / teacher / update), vLLM's log-prob agreement with the training forward.
-#   bash scripts/gpu_check.sh                  # one CUDA GPU, pip install -e '.[vllm,alfworld]'
-#   bash scripts/gpu_check.sh --gpus 2         # two GPUs: an engine per rank; sync seconds, memory with/without sleep
-#   bash scripts/gpu_check.sh --dry-run        # anywhere: build the model folders, print the commands
-#   bash scripts/gpu_check.sh --help           # sizes, timeout, which environments
-# Without CUDA it stops in seconds and says why.
+# GPU check with assertions that fail (scripts/gpu_check.py says what it runs and asserts):
+#   bash scripts/gpu_check.sh                        # a GPU node with the project installed (vLLM or not)
+#   bash scripts/gpu_check.sh --wheels .gpu_wheels   # a bare GPU machine: the wheels scripts/gpu_prepare.sh fetched
+#   bash scripts/gpu_check.sh --rehearse-on-cpu      # anywhere: the same on CPU (2 gloo processes), with controls
+#   bash scripts/gpu_check.sh --dry-run              # anywhere: build the model folder, print the commands
+# Without CUDA (and without --rehearse-on-cpu or --dry-run) it stops in seconds and says why.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python}"
-dry=0
-for arg in "$@"; do
-  case "$arg" in --dry-run|-h|--help) dry=1 ;; esac
+PYTHON="${PYTHON:-$(command -v python || command -v python3)}"  # a bare machine may have python3 only
+args=() wheels="" cpu=0 dry=0
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --wheels) wheels="${2:?--wheels needs a folder}"; shift 2; continue ;;
+    --wheels=*) wheels="${1#--wheels=}" ;;
+    --rehearse-on-cpu) cpu=1; args+=("$1") ;;
+    --dry-run|-h|--help) dry=1; args+=("$1") ;;
+    *) args+=("$1") ;;
+  esac
+  shift
 done
-if [[ "${GPU_CHECK_DRY:-0}" != "1" && "$dry" == "0" ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
-  echo "gpu_check: no CUDA device visible: nvidia-smi not found (no NVIDIA driver on this machine). This check needs one NVIDIA GPU (H200-class) and a CUDA torch; nothing was run" >&2
+if [[ -n "$wheels" ]]; then
+  # The lent machine has no network: the pure-Python wheels prepared elsewhere go into a folder of their
+  # own (never over the machine's torch or transformers), put first on the path of this run only.
+  shopt -s nullglob
+  files=("$wheels"/*.whl)
+  if [[ ${#files[@]} -eq 0 ]]; then
+    echo "gpu_check: no wheels in $wheels: run bash scripts/gpu_prepare.sh on a machine with network and carry the folder" >&2
+    exit 2
+  fi
+  target="$wheels/site"
+  if [[ ! -f "$target/.installed" ]]; then
+    "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$target" "${files[@]}" >&2
+    touch "$target/.installed"
+  fi
+  export PYTHONPATH="$PWD:$PWD/$target${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [[ "${GPU_CHECK_DRY:-0}" != "1" && "$dry" == "0" && "$cpu" == "0" ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  echo "gpu_check: no CUDA device visible: nvidia-smi not found (no NVIDIA driver on this machine). This check needs one NVIDIA GPU and a CUDA torch; nothing was run (on CPU: bash scripts/gpu_check.sh --rehearse-on-cpu)" >&2
   exit 2
 fi
-exec "$PYTHON" scripts/gpu_check.py "$@"
+if [[ "$cpu" == "1" ]]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+exec "$PYTHON" scripts/gpu_check.py ${args[@]+"${args[@]}"}
