@@ -125,9 +125,9 @@ class OptimConfig:
     24 bytes per logit, 35 GiB at 10,240 positions of a 151,936 vocabulary, become one chunk's (2.3 GiB at
     1,024). Same values and gradients. Not for algorithms that keep the full logits (``grpo_opsd``). 0 = off."""
     offload_optimizer: bool = False
-    """Keep AdamW's states in host memory while vLLM is awake (verl's ``optimizer_offload``): moved out before
-    the engine wakes for a rollout or an evaluation, back once it sleeps, so vLLM's share and the states never
-    sit on the GPU together. Costs two host/device copies of the states per rollout (pinned, asynchronous)."""
+    """Keep AdamW's states in host memory outside the update (verl's ``optimizer_offload``): moved out after
+    each update and back before the next (``agentopsd.offload``), so vLLM's share (rollout, evaluation) and the
+    states never sit on the GPU together. Costs two host/device copies of the states per iteration (pinned)."""
     defer_grad_reduction: bool = False
     """Under FSDP2 (``trainer=fsdp``), reduce-scatter the gradients once per mini-batch, at its last micro-batch,
     instead of after every micro-batch: fewer collectives, but each rank holds the unsharded gradients of every

@@ -2,8 +2,8 @@
 
 AdamW keeps two float32 tensors per weight (``exp_avg``, ``exp_avg_sq``): for Qwen2.5-3B on one GPU, 23 GiB,
 twice the master weights. The update needs them only at its optimizer steps; the rollout never touches them.
-Moving them to host memory before vLLM wakes and back once it sleeps, as verl's ``optimizer_offload`` does,
-keeps vLLM's share and the states off the GPU at the same time.
+Moving them to host memory after the update and back before the next one, as verl's ``optimizer_offload``
+does, keeps vLLM's share and the states off the GPU at the same time.
 
 Both functions always move (copy) every state they find: the caller knows whether the states are out (a flag
 beside the optimizer), so a second offload or restore is the caller's to skip.
