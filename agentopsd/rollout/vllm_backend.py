@@ -230,6 +230,13 @@ class VLLMGenerator:
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         return [self._to_generation(out.outputs[0]) for out in outputs]
 
+    @property
+    def collective(self) -> bool:
+        """A generate call is a collective only inside a tensor-parallel group (the group gathers its prompts);
+        an engine of its own per rank lets each rank play its rollout alone
+        (:class:`agentopsd.rollout.collector.Collector`)."""
+        return self._tp_group is not None
+
     def sync_weights(self, model: nn.Module, step: int | None = None) -> None:
         """Make the engine generate with ``model``'s current weights (full tensors; LoRA merged).
 
@@ -260,6 +267,9 @@ class VLLMGenerator:
             finally:
                 self.llm.collective_rpc(_drop_staged_weights_on_worker)
         if woke:
+            from agentopsd.rollout.factory import release_device_cache
+
+            release_device_cache()  # the sync's gathered tensors, freed into PyTorch's cache: the KV cache needs the room
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         reset = getattr(self.llm, "reset_prefix_cache", None)

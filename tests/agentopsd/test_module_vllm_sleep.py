@@ -58,7 +58,9 @@ def kinds(events: list[tuple]) -> list[str]:
     return [k for k, _ in itertools.groupby(names)]
 
 
-WAKE = ["release", "wake_up:weights", "load", "wake_up:kv_cache", "reset_prefix_cache"]
+WAKE = ["release", "wake_up:weights", "load", "release", "wake_up:kv_cache", "reset_prefix_cache"]
+"""Before a sleeping engine generates: the update's cached blocks released, the weights woken and loaded, the
+sync's own temporaries released, then the KV cache woken, and the prefix cache (keys of old weights) reset."""
 
 
 def test_two_iterations_and_an_evaluation_sync_sleep_release_and_wake_in_order(fake_vllm, policy_folder):
