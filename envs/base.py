@@ -1,7 +1,7 @@
 """Pieces every text environment shares: the contract the trainer reads, the text spaces and action cleaning.
 
 The contract (:class:`TextEnv`) is what the rest of the project may rely on; a new environment family
-implements it and registers its ids (see the README's "Adding an environment"). The contract test
+implements it and registers its ids (see docs/adding-an-environment.md). The contract test
 (``tests/envs/test_contract.py``) checks every registered ``agentopsd/*`` id against it.
 """
 

@@ -5,7 +5,7 @@
 * :mod:`agentopsd.credit.losses`: the clipped objective, KL and the distillation terms;
 * :mod:`agentopsd.credit.algorithms`: the algorithm objects ``conf/algorithm/*.yaml`` instantiate.
 
-``from agentopsd.credit import grpo_advantages, ...`` (the README's example) reads the math from here, as it
+``from agentopsd.credit import grpo_advantages, ...`` (docs/credit.md's example) reads the math from here, as it
 did when the math was the single module ``agentopsd/credit.py``. The algorithms and losses are not imported
 here, so that importing the math stays free of them.
 """

