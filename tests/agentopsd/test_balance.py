@@ -66,6 +66,8 @@ def test_a_rank_with_no_rows_gets_half():
 def test_balanced_ranks_move_nothing():
     costs = [[10.0, 20.0, 30.0], [31.0, 29.0], [60.0]]
     assert balanced_assignment(costs) == [[0, 0, 0], [1, 1], [2]]
+    # four equal rows on three ranks: the busiest holds two whatever moves, so nothing does
+    assert balanced_assignment([[10.0, 10.0], [10.0, 10.0], []]) == [[0, 0], [1, 1], []]
     # unbalanced by less than any move can fix: nothing moves either
     assert balanced_assignment([[50.0, 50.0], [90.0]]) == [[0, 0], [1]]
 
@@ -213,6 +215,10 @@ def check_balanced(before: list[RolloutBatch], after: list[RolloutBatch], teache
             for v in ids:
                 assert (ids[u] == ids[v]) == (names[u] == names[v]), (u, v)
     assert sorted(arrived) == sorted(sent), "rows lost or invented"
+    # the turns of one trajectory (shared prompt prefixes) stay together where the balance allows: here it does
+    home = {(u // 1000, int(before[u // 1000].turn_traj[u % 1000])) for u in sent}
+    lands = {(u // 1000, int(before[u // 1000].turn_traj[u % 1000]), r) for r, b in enumerate(after) for u in _state_names(b)}
+    assert len(lands) == len(home), "a trajectory was split although whole trajectories balance"
     for uid in sent:
         assert arrived[uid] == sent[uid], f"row {uid} changed on the way"
     costs = [row_costs(b, teacher_weight) for b in before]
@@ -352,3 +358,61 @@ def test_balance_rows_with_two_gloo_processes(tmp_path, case):
     before = [make_batch(r, CASES[case][r]) for r in (0, 1)]
     loads = check_balanced(before, after)
     assert max(loads) < max(sum(row_costs(b)) for b in before)
+
+
+# ------------------------------------------------------------------ the update on a balanced batch
+
+
+def test_the_update_gradient_does_not_depend_on_where_rows_live(tiny_walk_policy):
+    """Two simulated ranks roll out unequal batches (rank 0 plays twice the tasks); grpo_opsd with the KL and the
+    entropy on reads every per-row field (teacher view and logits, reference, advantages). The loss of all rows,
+    normalised over both ranks as the update does, gives the same summed gradient before and after balancing,
+    and the update runs on the balanced batches with both ranks in step."""
+    from agentopsd import distributed
+    from agentopsd.objective import micro_batch_loss
+    from tests.agentopsd.test_rank_invariant import ALGORITHM_FILES, _algorithm, _module, _same, _tasks
+
+    algo = _algorithm(next(p for p in ALGORITHM_FILES if p.stem == "grpo_opsd"))
+    world = SimulatedWorld(2, timeout=60)
+    grads: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    tokens: dict[tuple[str, int], float] = {}
+    errors: dict[int, str] = {}
+
+    def gradient(module, b: RolloutBatch) -> dict[str, torch.Tensor]:
+        local = float(b.action_mask.sum()) if algo.aggregation == "token-mean" else float(b.num_rows)
+        normalizer = sum(v[0] for v in distributed.exchange([local], "test/normalizer"))
+        module.model.zero_grad(set_to_none=True)
+        if b.num_rows:
+            rows = torch.arange(b.num_rows)
+            micro_batch_loss(algo, module.optim_cfg, module.scorer, b, rows, normalizer)[0].backward()
+        return {n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None}
+
+    def rank(r: int) -> None:
+        try:
+            with world.rank(r):
+                module = _module(tiny_walk_policy, algo, r)
+                torch.manual_seed(r)
+                batch = module.rollout(_tasks(r))
+                module.algorithm.assign(batch, 0)
+                balanced = balance_rows(batch, "update/balance", teacher_weight=1.0, pad_id=module.pad_id)
+                for name, b in (("as dealt", batch), ("balanced", balanced)):
+                    grads[(name, r)] = gradient(module, b)
+                    tokens[(name, r)] = sum(row_costs(b, 1.0))
+                module.update(balanced, 0)
+        except BaseException:
+            errors[r] = traceback.format_exc(limit=-4)
+            world.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    _same(world)
+    assert ("gather", "update/balance/rows") in world.logs[0]  # rows did move
+    dealt, balanced = [tokens[("as dealt", r)] for r in (0, 1)], [tokens[("balanced", r)] for r in (0, 1)]
+    assert max(balanced) < max(dealt) and sum(balanced) == sum(dealt)
+    for name in grads[("as dealt", 0)]:
+        total = {how: sum(grads[(how, r)][name] for r in (0, 1) if name in grads[(how, r)]) for how in ("as dealt", "balanced")}
+        torch.testing.assert_close(total["balanced"], total["as dealt"], rtol=1e-4, atol=1e-6, msg=name)
