@@ -192,6 +192,9 @@ def _hf_skeleton(model_cfg: dict[str, Any]):
     config = AutoConfig.from_pretrained(resolved, trust_remote_code=remote)
     with _no_init_weights():  # the checkpoint overwrites every weight: a 7B init would cost minutes
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=remote, **_dtype_kwargs("float32"))
+    # built without initialising, the head is its own tensor: tie it to the embeddings as the config says (a tied
+    # model exported untied grows by a vocabulary x hidden matrix, and LoRA warns that the ties broke)
+    model.tie_weights()
     try:
         model.generation_config = GenerationConfig.from_pretrained(resolved)
     except OSError:  # no generation_config.json in the folder

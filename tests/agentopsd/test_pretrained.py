@@ -337,9 +337,6 @@ def test_smollm2_lora_export_merged_then_reloaded_gives_the_same_logits(smollm2,
     assert IM_END_ID in (eos if isinstance(eos, list) else [eos])
 
 
-@pytest.mark.xfail(strict=True, reason="agentopsd.export._hf_skeleton builds the model without tying its embeddings "
-                   "(from_config under no_init_weights): a tied model's export stores lm_head apart; fix: "
-                   "model.tie_weights() after from_config")
 def test_smollm2_export_skeleton_keeps_the_embeddings_tied(smollm2_dir):
     from agentopsd import export
 
