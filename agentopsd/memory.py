@@ -33,7 +33,7 @@ optimizer step, the scoring passes, and with vLLM the weight sync and the rollou
 phase's margin (GPU memory minus the phase). With sleep mode (``rollout.vllm.enable_sleep_mode``: ``auto``/true,
 on CUDA) the engine holds only its residual during the update and scoring, the sync runs with vLLM's weights
 awake but not its KV cache, and the rollout holds vLLM's whole share beside the weights, the reference and
-AdamW's states unless ``optim.offload_optimizer`` keeps them in host memory outside the update (the trainer
+AdamW's states unless ``optim.offload_optimizer`` keeps them in host memory while the engine syncs and generates (the trainer
 drops the gradients before waking the engine). Without sleep mode vLLM's share sits beside everything at every phase.
 
 On CPU the plan of the tiny runs is checked against the allocator's measured peak of an update step
@@ -397,7 +397,7 @@ class MemoryPlan:
     scoring: int = 0
     """A no-grad scoring pass (old, reference, teacher log-probs) beyond the resident state."""
     offload_optimizer: bool = False
-    """``optim.offload_optimizer``: AdamW's states are in host memory outside the update (sync, rollout, scoring)."""
+    """``optim.offload_optimizer``: AdamW's states are in host memory while the engine syncs and generates."""
     vllm_asleep: int = 0
     """What a sleeping vLLM engine keeps (``VLLM_ASLEEP_BYTES``, an estimate)."""
 
@@ -429,7 +429,8 @@ class MemoryPlan:
             "update": self.training + beside + self.margin,
             "optimizer step": (self.weights + self.gradients + self.optimizer + step_buckets + self.step_temporary
                                + self.reference + beside + self.margin),
-            "scoring": self.resident + self.scoring + beside,
+            # the states come back as soon as the engine sleeps: the scoring passes run beside them
+            "scoring": self.weights + self.optimizer + self.reference + self.margin + self.scoring + beside,
         }
         if self.vllm:
             if self.sleep_mode:
@@ -500,7 +501,7 @@ class MemoryPlan:
         held = self.weights + (0 if self.offload_optimizer else self.optimizer) + self.reference
         sharded = {"update": self.sharded_state + self.reference,
                    "optimizer step": self.sharded_state + self.step_temporary + self.reference,
-                   "scoring": held, "sync": held, "rollout": held}
+                   "scoring": self.weights + self.optimizer + self.reference, "sync": held, "rollout": held}
         need = 0
         for phase, total in self.phases.items():
             rest = self.gpu_memory - (total - sharded[phase])
@@ -534,7 +535,7 @@ class MemoryPlan:
         else:
             gathered = "nothing gathered"
         ckpt = "checkpointed" if self.gradient_checkpointing else "no checkpointing"
-        offloaded = ", in host memory outside the update" if self.offload_optimizer else ""
+        offloaded = ", in host memory during sync and rollout" if self.offload_optimizer else ""
         rows = [
             (f"weights ({self.param_dtype}, {shard})", self.weights),
             (f"gradients ({self.param_dtype}, {shard})", self.gradients),

@@ -135,6 +135,8 @@ class AgentRLModule(L.LightningModule):
         self._collector: Collector | None = None
         self._sharded = False
         """True once configure_model applied FSDP2: forwards become collectives."""
+        self._states_offloaded = False
+        """AdamW's states are in host memory (``optim.offload_optimizer``, while the engine generates)."""
         self.phase_seconds: dict[str, float] = {}
         self.rollout_metrics: dict[str, float] = {}
         self.first_ratio_dev: float = float("nan")
@@ -188,6 +190,7 @@ class AgentRLModule(L.LightningModule):
         try:
             with self._phase("rollout"):
                 collector = self.collector
+                self._offload_optimizer_states()
                 factory.engine_sync(collector.generator, self.model, self.iterations_done)
                 rank, world = rank_and_world()
                 tasks = batch.tasks
@@ -199,6 +202,7 @@ class AgentRLModule(L.LightningModule):
                 except RolloutStopped:
                     raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
                 factory.engine_sleep(collector.generator)
+                self._restore_optimizer_states()
                 t_rollout = time.perf_counter() - t0
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
@@ -215,6 +219,7 @@ class AgentRLModule(L.LightningModule):
             if self.stop_request.agreed():  # before the update, the longest phase: abandon now
                 raise Preempted(self.stop_request.signal_name, batch.iteration, update_done=False)
         finally:
+            self._restore_optimizer_states()  # a stopped rollout's checkpoint holds them where the update does
             self.model.train(was_training)
         self.iteration = batch.iteration
         self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
@@ -247,6 +252,24 @@ class AgentRLModule(L.LightningModule):
         if self._trainer is None:
             return contextlib.nullcontext()
         return self.trainer.precision_plugin.forward_context()
+
+    def _offload_optimizer_states(self) -> None:
+        """``optim.offload_optimizer``: AdamW's states to host memory while the engine generates (they are only
+        read at the update's optimizer steps); back right after the engine sleeps, so the scoring, the update and
+        every checkpoint find them where they live."""
+        if not self.optim_cfg.offload_optimizer or self._trainer is None or self._states_offloaded:
+            return
+        offload_optimizer_states(self._optimizer())
+        self._states_offloaded = True
+
+    def _restore_optimizer_states(self) -> None:
+        if self._states_offloaded:
+            restore_optimizer_states(self._optimizer(), self.device)
+            self._states_offloaded = False
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        opt = self.optimizers()
+        return opt.optimizer if hasattr(opt, "optimizer") else opt
 
     def _phase(self, name: str):
         """A phase whose out-of-memory error ends the job with one line (:mod:`agentopsd.oom`)."""
@@ -282,7 +305,8 @@ class AgentRLModule(L.LightningModule):
         """The forwards at the action tokens under the current policy and settings (built per use: cheap)."""
         cfg = self.optim_cfg
         return Scorer(self.model, self.pad_id, self.sampling.scoring_temperature, cfg.micro_batch_size,
-                      cfg.max_tokens_per_micro_batch, self.device, sharded=self._sharded)
+                      cfg.max_tokens_per_micro_batch, self.device, sharded=self._sharded,
+                      logits_chunk_tokens=cfg.logits_chunk_tokens)
 
     def action_logprobs(
         self, batch: RolloutBatch, view: str, rows: Tensor | None = None, *, grad: bool = False, model: nn.Module | None = None
@@ -328,8 +352,7 @@ class AgentRLModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         algo, cfg = self.algorithm, self.optim_cfg
-        if cfg.offload_optimizer:  # the states come back from host memory for this update's steps
-            restore_optimizer_states(opt.optimizer if hasattr(opt, "optimizer") else opt, self.device)
+        self._restore_optimizer_states()  # where an interrupted rollout left them on the host
         _, world = rank_and_world()
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         stats_log: dict[str, list[float]] = {}
@@ -368,8 +391,6 @@ class AgentRLModule(L.LightningModule):
                 stats_log.setdefault("total", []).append(minibatch_loss)
                 first = False
                 self._optimizer_step(opt, sched, stats_log)
-        if cfg.offload_optimizer:  # off the device until the next update: the rollout's engine gets the room
-            offload_optimizer_states(opt.optimizer if hasattr(opt, "optimizer") else opt)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
         metrics["loss/first_ratio_dev"] = self.first_ratio_dev
         metrics["rollout/iteration"] = float(self.iteration + 1)  # numbered like every log: iterations completed by this update
@@ -433,6 +454,7 @@ class AgentRLModule(L.LightningModule):
         try:
             collector = self.collector
             with self._phase("evaluation"):
+                self._offload_optimizer_states()
                 factory.engine_sync(collector.generator, self.model, self.iterations_done)
                 try:
                     rank, world = rank_and_world()
@@ -450,6 +472,7 @@ class AgentRLModule(L.LightningModule):
                 except RolloutStopped:  # the evaluation is dropped; training state is whole
                     raise Preempted(self.stop_request.signal_name or "SIGTERM", self.iterations_done, update_done=True) from None
         finally:
+            self._restore_optimizer_states()
             self.model.train(was_training)
         metrics = pooled_metrics(trajectories, sampled)  # every rank's episodes: the same metrics on every rank
         metrics["eval/iteration"] = float(self.iterations_done)  # 0 before training

@@ -159,7 +159,7 @@ def test_alfworld_3b_on_one_gpu_plans_at_most_72_gib_with_its_levers_and_not_wit
     assert proc.returncode == 0, proc.stderr
     total = float(re.search(r"total \(largest phase\) +([\d.]+) GiB of 80\.00 GiB", proc.stdout).group(1))
     assert total <= 72.0, proc.stdout
-    assert "in chunks of 1024" in proc.stdout and "in host memory outside the update" in proc.stdout
+    assert "in chunks of 1024" in proc.stdout and "in host memory during sync and rollout" in proc.stdout
     assert re.search(r"margin +\d+\.\d+ GiB", proc.stdout) and "WARNING" not in proc.stdout
 
     def planned(*overrides: str) -> MemoryPlan:
