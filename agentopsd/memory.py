@@ -396,6 +396,8 @@ class MemoryPlan:
     state-sized tensor, the square root of ``exp_avg_sq``)."""
     scoring: int = 0
     """A no-grad scoring pass (old, reference, teacher log-probs) beyond the resident state."""
+    deferred_reduction: bool = False
+    """``optim.defer_grad_reduction`` under FSDP2: each rank holds every layer's gradient unsharded."""
     offload_optimizer: bool = False
     """``optim.offload_optimizer``: AdamW's states are in host memory while the engine syncs and generates."""
     vllm_asleep: int = 0
@@ -538,7 +540,9 @@ class MemoryPlan:
         offloaded = ", in host memory during sync and rollout" if self.offload_optimizer else ""
         rows = [
             (f"weights ({self.param_dtype}, {shard})", self.weights),
-            (f"gradients ({self.param_dtype}, {shard})", self.gradients),
+            (f"gradients ({self.param_dtype}, "
+             f"{'unsharded until the last micro-batch (optim.defer_grad_reduction)' if self.deferred_reduction else shard})",
+             self.gradients),
             (f"AdamW states (2 x {self.param_dtype}, {shard}{offloaded})", self.optimizer),
             ("AdamW step temporaries", self.step_temporary),
             (gathered, self.gathered),
@@ -613,6 +617,7 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     chunk_setting = int(OmegaConf.select(cfg, "optim.logits_chunk_tokens", default=0) or 0)
     chunk = min(chunk_setting, head_positions) if chunk_setting > 0 and not keeps_logits else 0
     offload = bool(OmegaConf.select(cfg, "optim.offload_optimizer", default=False))
+    defer = bool(OmegaConf.select(cfg, "optim.defer_grad_reduction", default=False)) and strategy == "fsdp2"
     checkpointing = bool(model_cfg.get("gradient_checkpointing", False))
     gpu_bytes, gpu_source = gpu_memory(cfg, gpu_memory_gib)
     rollout = cfg.rollout
@@ -627,7 +632,7 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
                   world_size=world, precision=precision, param_dtype=param_dtype, compute_dtype=compute_dtype,
                   micro_batch_size=micro, sequence_tokens=seq, head_positions=head_positions,
                   gradient_checkpointing=checkpointing, gpu_memory=gpu_bytes, gpu_memory_source=gpu_source, notes=notes,
-                  logits_chunk=chunk, offload_optimizer=offload)
+                  logits_chunk=chunk, offload_optimizer=offload, deferred_reduction=defer)
     if arch is None:
         return MemoryPlan(**common, weights=0, gradients=0, optimizer=0, gathered=0, activations=0, logits=0, reference=0,
                           vllm=0, vllm_weights=0, entropy_bonus=False, margin=0)
@@ -681,7 +686,8 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     return MemoryPlan(
         **common,
         weights=-(-params * pb // shards),
-        gradients=-(-params * pb // shards),
+        # optim.defer_grad_reduction: every layer's gradient stays unsharded until the mini-batch's last backward
+        gradients=-(-params * pb // (1 if defer else shards)),
         optimizer=-(-params * ADAM_STATES * pb // shards),
         gathered=gathered,
         activations=activations,

@@ -203,6 +203,16 @@ def test_bf16_true_halves_the_state_and_ddp_shards_nothing() -> None:
     assert ddp.head_positions == 10_220
 
 
+def test_deferred_reduction_holds_every_gradient_unsharded_under_fsdp2_only() -> None:
+    base = ["+experiment=alfworld_3b", "trainer.devices=8"]
+    plain = plan_memory(compose_config(base), 80)
+    deferred = plan_memory(compose_config([*base, "optim.defer_grad_reduction=true"]), 80)
+    assert plain.gradients == -(-3_085_938_688 * 4 // 8) and deferred.gradients == 3_085_938_688 * 4
+    assert deferred.phases["update"] - plain.phases["update"] == deferred.gradients - plain.gradients
+    ddp = [*base, "trainer=ddp", "model.dtype=float32"]
+    assert plan_memory(compose_config([*ddp, "optim.defer_grad_reduction=true"]), 80).gradients == plan_memory(compose_config(ddp), 80).gradients
+
+
 @pytest.mark.parametrize(
     ("precision", "dtype", "expected"),
     [
