@@ -1,0 +1,166 @@
+"""SmolLM2-135M-Instruct (``model=smollm2-135m``) through the trainer's distributed, vLLM and end-to-end paths.
+
+The companion of ``test_pretrained.py`` (generation, scoring, LoRA/full steps, export), whose session fixture
+``smollm2_dir`` prepares the model once into the shared cache. Select these with ``-k smollm2``; offline with no
+prepared folder they skip with the one-line fix.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.agentopsd.test_meta_build import torchrun_watched
+from tests.agentopsd.test_pretrained import smollm2_dir  # noqa: F401  (the session fixture, shared)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# ------------------------------------------------------------------ FSDP2 on 2 gloo processes
+
+FSDP_SCRIPT = textwrap.dedent('''
+    import datetime, sys, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from agentopsd.models import load_policy
+    from agentopsd.rollout.vllm_backend import iter_full_weights
+    from agentopsd.strategies import prepare_policy
+
+    folder, mode = sys.argv[1], sys.argv[2]
+    LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"} if mode == "lora" else None
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # a lost rank fails in 2 min
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    failures = []
+
+    def check(ok, what):
+        if not ok:
+            failures.append(what)
+
+    def rows(tokenizer):
+        """This rank's own chat turns: rank 1 has more and longer ones than rank 0."""
+        actions = [["go forward"], ["turn left", "pick up the red ball and then open the yellow door", "toggle"]][rank]
+        out = []
+        for action in actions:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": "You see a red ball. Pick it up."}],
+                                                   add_generation_prompt=True, tokenize=False)
+            out.append((tokenizer(prompt).input_ids, tokenizer(f"<action>{action}</action>").input_ids + [2]))
+        width = max(len(p) + len(a) for p, a in out)
+        ids = torch.full((len(out), width), 2)
+        labels = torch.full_like(ids, -100)
+        attn = torch.zeros_like(ids)
+        for i, (p, a) in enumerate(out):
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+            attn[i, : len(p) + len(a)] = 1
+        return ids, attn, labels
+
+    torch.manual_seed(0)  # LoRA's random A: the same on every rank, as train.py seeds them
+    model, tokenizer = load_policy(folder, lora=LORA)
+    torch.manual_seed(0)
+    plain, _ = load_policy(folder, lora=LORA)  # unsharded, the same weights
+    ids, attn, labels = rows(tokenizer)
+    with torch.no_grad():
+        plain_loss = plain(input_ids=ids, attention_mask=attn, labels=labels).loss
+
+    layers = plain.config.num_hidden_layers
+    prepare_policy(model, None, "32-true", mesh)
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    layer_units = [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    check(units == layers + 1, f"{units} FSDP units, want {layers} layers + the root")
+    check(set(layer_units) == {"FSDPLlamaDecoderLayer"}, f"units {sorted(set(layer_units))}, want LlamaDecoderLayer")
+    check(all(hasattr(p, "full_tensor") for p in model.parameters()), "a parameter is not a DTensor shard")
+    base = model.get_base_model() if LORA else model
+    check(base.lm_head.weight is base.model.embed_tokens.weight, "the head is no longer tied to the embeddings")
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    check(bool(trainable) and (all("lora_" in n for n in trainable) if LORA else not frozen), f"trainable {sorted(trainable)[:3]}")
+
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(list(trainable.values()), lr=1e-3)
+    model.train()
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    check(abs(float(loss) - float(plain_loss)) < 1e-4, f"sharded loss {float(loss):.6f}, unsharded {float(plain_loss):.6f}")
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.eval()
+    after = {n: p.full_tensor() for n, p in model.named_parameters()}
+    check(all(not torch.equal(before[n], after[n]) for n in trainable), "a trained weight did not move")
+    check(all(torch.equal(before[n], after[n]) for n in frozen), "a frozen base weight moved")
+    # the same update on both ranks: a rank that skipped the gradient's reduce-scatter would differ
+    probe = next(n for n in trainable if "layers.0." in n)
+    gathered = [torch.empty_like(after[probe]) for _ in range(2)]
+    dist.all_gather(gathered, after[probe].contiguous())
+    check(torch.equal(gathered[0], gathered[1]), f"{probe} differs between ranks after the step")
+
+    # what the engine must receive: the unsharded copy with the trained weights, merged by peft for LoRA
+    with torch.no_grad():
+        for name, param in plain.named_parameters():
+            param.copy_(after[name])
+    merged = plain.merge_and_unload() if LORA else plain
+    want = {k: v.detach() for k, v in merged.state_dict().items()}
+    def trained_name(key):
+        """``want``'s checkpoint name as the trained model names it (peft's wrapper and base_layer)."""
+        return f"base_model.model.{key}".replace("_proj.weight", "_proj.base_layer.weight") if LORA else key
+
+    moved = max((want[k] - before[trained_name(k)]).abs().max().item() for k in want if "q_proj" in k)
+    check(moved > 1e-5, f"the step moved q_proj by only {moved:.2e}: the sync check below would have no teeth")
+    del plain, merged, before, after
+
+    class FakeEngine:
+        """Takes (name, tensor) as vLLM's load_weights does and compares each with ``want``, keeping none."""
+
+        def __init__(self):
+            self.names, self.worst = [], 0.0
+
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                self.names.append(name)
+                ref = want.get(name)
+                if ref is None or tensor.shape != ref.shape or hasattr(tensor, "full_tensor"):
+                    failures.append(f"sync: {name} {tuple(tensor.shape)} {type(tensor).__name__} is not a full plain weight")
+                    continue
+                check(tensor.dtype == torch.float32, f"sync: {name} in {tensor.dtype}")
+                self.worst = max(self.worst, (tensor - ref).abs().max().item())
+
+    engine = FakeEngine()
+    try:
+        engine.load_weights(iter_full_weights(model, torch.float32))
+    except Exception as exc:  # every failure is reported, not only the first
+        failures.append(f"sync raised {type(exc).__name__}: {str(exc)[:200]}")
+    else:
+        check(engine.names == list(want), f"sync names {engine.names[:3]}..., want {list(want)[:3]}...")
+        check("lm_head.weight" in engine.names, "the tied head was not sent")
+        check(engine.worst < 1e-5, f"sync: weights off by {engine.worst:.3g} (absolute) from the unsharded merge")
+    print(f"rank {rank} {mode}: {units} FSDP units, {ids.shape[0]} rows x {ids.shape[1]} tokens, loss {float(loss):.4f}, "
+          f"q_proj moved {moved:.2e}, sync worst {engine.worst:.2e}", flush=True)
+    dist.barrier()
+    if failures:
+        print(f"SMOLLM2-FSDP-FAIL rank {rank}: " + " | ".join(failures), flush=True)
+        raise SystemExit(1)
+    print(f"SMOLLM2-FSDP-OK rank {rank}", flush=True)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_smollm2_fsdp2_two_ranks_unequal_rows_shards_each_llama_layer_steps_and_syncs(smollm2_dir, mode, tmp_path):  # noqa: F811
+    """FSDP2 over 2 gloo processes, each on its own rows (rank 1 has three, longer; rank 0 one), on the whole
+    30-layer SmolLM2 (no truncation: the architecture, tokenizer and tied embeddings as a run loads them).
+
+    Every rank checks: 30 ``LlamaDecoderLayer`` units + the root; the head still tied to the embeddings; the
+    sharded forward's loss is the unsharded copy's; one AdamW step (full fine-tuning, or all-linear LoRA) moves
+    every trained weight, leaves the frozen ones and is the same on both ranks; the weight sync into a fake
+    engine yields the plain model's checkpoint names (the tied head included) with the weights of the
+    unsharded copy carrying the trained weights (for LoRA: peft's ``merge_and_unload`` of it).
+    """
+    pytest.importorskip("peft")
+    script = tmp_path / "smollm2_fsdp.py"
+    script.write_text(FSDP_SCRIPT)
+    out = torchrun_watched(script, str(smollm2_dir), mode, timeout=540)
+    print(*(line for line in out.splitlines() if "FSDP units" in line), sep="\n")  # the measurement, with -s
+    assert out.count("SMOLLM2-FSDP-OK") == 2, out[-3000:]
