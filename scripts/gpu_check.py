@@ -257,11 +257,11 @@ def train_overrides(setup: Setup, model_path: Path, output_dir: Path, sizes: Siz
         "evaluation.every_n_iterations=0",
         f"output_dir={output_dir}",
     ]
-    if sizes.max_new_tokens is not None:
+    if rollout == "hf":  # the group's own turn length is 32 tokens: keep the experiment's 512
+        out += ["rollout=hf", f"rollout.max_new_tokens={sizes.max_new_tokens or 512}"]
+    elif sizes.max_new_tokens is not None:
         out.append(f"rollout.max_new_tokens={sizes.max_new_tokens}")
-    if rollout == "hf":
-        out.append("rollout=hf")
-    elif accelerator == "cpu":
+    if rollout != "hf" and accelerator == "cpu":
         out.append("rollout.vllm.enable_sleep_mode=true")  # the fake engine sleeps (the vLLM CPU build cannot)
     if resume:
         out.append("ckpt_path=last")
@@ -422,7 +422,8 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
             torch.cuda.reset_peak_memory_stats(self.device)
             result = update(self, batch, batch_idx)
             peak = torch.cuda.max_memory_allocated(self.device) - start
-        else:
+        else:  # the CPU allocator keeps no running total: count what lives at the start, then the profiler's peak
+            start = resident_bytes(self.model, self.optimizers().optimizer, getattr(self, "ref_model", None))
             result, peak = measure_cpu_peak(lambda: update(self, batch, batch_idx))
         largest = (0, 0, 0)
         for micros, attn in calls:
@@ -435,6 +436,7 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
                 if rows * length > largest[0] * largest[1]:
                     largest = (rows, length, action)
         emit({"event": "update", "iteration": int(getattr(self, "iteration", 0)) + 1, "peak_bytes": int(peak),
+              "start_bytes": int(start),
               "micro_rows": largest[0], "micro_length": largest[1], "micro_action": largest[2], "cuda": cuda,
               "micro_calls": len(calls)})
         return result
@@ -442,46 +444,62 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
     AgentRLModule._update = measured_update
 
 
+def resident_bytes(model: Any, optimizer: Any, reference: Any = None) -> int:
+    """Bytes of this rank's weights (their local shards), gradients, optimizer states and frozen reference policy
+    (KL penalty on), each storage once."""
+    import torch
+
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors += [local(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    tensors += [local(p) for p in reference.parameters()] if reference is not None else []
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 # ---------------------------------------------------------------------------------------- the memory plan
 
 
 def planned_update_peak(overrides: Sequence[str], rows: int, length: int, action: int, *, double: bool = False) -> tuple[int, str]:
-    """The plan's peak of an update above what it starts with (gradients, what FSDP2 gathers, activations and
-    the LM head's logits; or the optimizer step's gradients and temporaries), at the micro-batch the update
-    ran (``rows`` of ``length`` tokens, ``action`` of them generated): what the trainer's measurement (the
-    allocator's peak minus its start) sees. ``double``: the planted defect of a plan off by 2x."""
+    """The plan's peak of the trainer's update (its forward and backward or its optimizer step, whichever is
+    larger; without the plan's margin for CUDA's context and without vLLM's share beside it, which PyTorch's
+    allocator does not count), at the micro-batch the update ran (``rows`` of ``length`` tokens, ``action`` of
+    them generated): what the allocator's peak measures. ``double``: the planted defect of a plan off by 2x."""
     from agentopsd.memory import compose_config, plan_memory
 
     at = [o for o in overrides if not o.startswith(("ckpt_path=", "output_dir="))] + [
         f"env.max_prompt_tokens={max(1, length - action)}", f"rollout.max_new_tokens={max(1, action)}",
         f"optim.micro_batch_size={max(1, rows)}", "optim.max_tokens_per_micro_batch=0"]
     plan = plan_memory(compose_config(at))
-    backward = plan.gradients + plan.gathered + plan.activations + plan.logits
-    step = plan.gradients + plan.step_temporary
-    planned = max(backward, step) * (2 if double else 1)
+    phases = plan.phases
+    beside = phases["update"] - plan.training - plan.margin  # vLLM's residual (asleep) or share
+    planned = (max(phases["update"], phases["optimizer step"]) - plan.margin - beside) * (2 if double else 1)
     label = f"(the update at {rows} rows x {length} tokens, {action} generated{'; plan doubled: planted' if double else ''})"
     return int(planned), label
 
 
 def peak_memory_check(overrides: Sequence[str], events: Sequence[dict[str, Any]], *, double: bool = False) -> tuple[Check, dict]:
-    """The update's measured peak (the largest over ranks and the iterations after the first, whose AdamW
-    states are made inside its step) against the plan at that update's micro-batch."""
+    """The update's measured peak (what it started with plus the allocator's peak above that; the largest over
+    ranks and the iterations after the first, whose AdamW states are made inside its step) against the plan
+    at that update's micro-batch."""
     updates = [e for e in events if e.get("event") == "update"]
     later = [e for e in updates if e["iteration"] > 1] or updates
     if not later:
         return check_peak_vs_plan("train.peak_vs_plan", None, None, what="(no update recorded)"), {}
-    worst = max(later, key=lambda e: e["peak_bytes"])
+    worst = max(later, key=lambda e: e["start_bytes"] + e["peak_bytes"])
+    measured = worst["start_bytes"] + worst["peak_bytes"]
     planned, label = planned_update_peak(overrides, worst["micro_rows"], worst["micro_length"], worst["micro_action"],
                                          double=double)
-    return check_peak_vs_plan("train.peak_vs_plan", worst["peak_bytes"], planned, what=label), {
-        "measured": worst["peak_bytes"], "planned": planned}
+    return check_peak_vs_plan("train.peak_vs_plan", measured, planned, what=label), {"measured": measured, "planned": planned}
 
 
 # ---------------------------------------------------------------------------------------- the probe
 
 
 def probe_command(python: str, nproc: int, workdir: Path, json_out: Path, *, device: str, engine: str,
-                  legs: Sequence[str] = ("none",), model_path: Path | None = None) -> list[str]:
+                  legs: Sequence[str] = ("none",), model_path: Path | None = None, env_id: str | None = None) -> list[str]:
     """torchrun of ``scripts/vllm_colocate_check.py``: ``nproc`` ranks, each with its own engine."""
     command = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                str(ROOT / "scripts" / "vllm_colocate_check.py"), "--device", device, "--engine", engine,
@@ -489,6 +507,8 @@ def probe_command(python: str, nproc: int, workdir: Path, json_out: Path, *, dev
                "--mean-tol", str(LIMITS["probe_mean"]), "--max-tol", str(LIMITS["probe_max"])]
     if model_path is not None:
         command += ["--model-path", str(model_path)]
+    if env_id is not None:
+        command += ["--env-id", env_id]
     return command
 
 
@@ -635,13 +655,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cpu:
         if probe_python:
             probes.append(("probe.vllm-cpu", probe_command(probe_python, 2, work / "probe_vllm", work / "probe_vllm" / "out",
-                                                           device="cpu", engine="real"), work / "probe_vllm" / "out"))
+                                                           device="cpu", engine="real", model_path=policy, env_id=setup.env_id),
+                           work / "probe_vllm" / "out"))
         legs = ["none"] + ([] if args.no_controls else ["stale-engine", "skip-cache-release"])
         probes.append(("probe.fake", probe_command(sys.executable, 2, work / "probe_fake", work / "probe_fake" / "out",
-                                                   device="cpu", engine="fake", legs=legs), work / "probe_fake" / "out"))
+                                                   device="cpu", engine="fake", legs=legs, model_path=policy,
+                                                   env_id=setup.env_id), work / "probe_fake" / "out"))
     elif real_vllm:
         probes.append(("probe", probe_command(sys.executable, devices, work / "probe", work / "probe" / "out", device="cuda",
-                                              engine="real", model_path=policy), work / "probe" / "out"))
+                                              engine="real", model_path=policy, env_id=setup.env_id), work / "probe" / "out"))
     if args.dry_run:
         for _, command, _ in probes:
             print(" ".join(command))

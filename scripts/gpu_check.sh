@@ -28,12 +28,16 @@ if [[ -n "$wheels" ]]; then
     echo "gpu_check: no wheels in $wheels: run bash scripts/gpu_prepare.sh on a machine with network and carry the folder" >&2
     exit 2
   fi
-  target="$wheels/site"
+  target="$(cd "$wheels" && pwd)/site"
   if [[ ! -f "$target/.installed" ]]; then
-    "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$target" "${files[@]}" >&2
+    if "$PYTHON" -m pip --version >/dev/null 2>&1; then
+      "$PYTHON" -m pip install --quiet --no-deps --no-index --target "$target" "${files[@]}" >&2
+    else  # no pip: a wheel is a zip archive laid out as site-packages
+      for f in "${files[@]}"; do "$PYTHON" -m zipfile -e "$f" "$target"; done
+    fi
     touch "$target/.installed"
   fi
-  export PYTHONPATH="$PWD:$PWD/$target${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH="$PWD:$target${PYTHONPATH:+:$PYTHONPATH}"
 fi
 if [[ "${GPU_CHECK_DRY:-0}" != "1" && "$dry" == "0" && "$cpu" == "0" ]] && ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "gpu_check: no CUDA device visible: nvidia-smi not found (no NVIDIA driver on this machine). This check needs one NVIDIA GPU and a CUDA torch; nothing was run (on CPU: bash scripts/gpu_check.sh --rehearse-on-cpu)" >&2

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
         vllm_check.build_policy(Path(args.workdir), vllm_check.ENV_ID)
     dist.barrier()
     tokenizer = load_tokenizer(str(path))
-    _, prompts = vllm_check.env_prompts(vllm_check.ENV_ID, tokenizer, args.batch)
+    _, prompts = vllm_check.env_prompts(args.env_id, tokenizer, args.batch)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     compute = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     mesh = init_device_mesh(device.type, (world,))
@@ -174,7 +174,8 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     stale_plant = plant == "stale-engine"
     sleep = args.sleep and not stale_plant  # a stale engine must keep its (old) weights: level 2 would drop them
-    gen = VLLMGenerator(str(path), tokenizer, dtype=args.dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
+    gen = VLLMGenerator(str(path), tokenizer, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                        max_model_len=max(map(len, prompts)) + args.max_new_tokens + 16,
                         max_num_seqs=args.batch, seed=args.seed, loaded_step=0, enable_sleep_mode=sleep,
                         gpu_memory_utilization=args.gpu_memory_utilization)
     out["engine_start_s"] = round(time.perf_counter() - t0, 2)
@@ -312,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=("real", "fake"), default="real",
                    help="fake: agentopsd.rollout.fake_engine (sleep mode on CPU)")
     p.add_argument("--model-path", default=None, help="a model folder (default: the tiny BabyAI policy, built here)")
+    p.add_argument("--env-id", default=None,
+                   help="the prompts' environment (default: BabyAI, the tiny policy's; WebShop needs no minigrid)")
     p.add_argument("--dtype", default=None, help="the engine's dtype (default: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="default: CUDA graphs on CUDA, eager on CPU")
@@ -336,6 +339,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"--legs takes none, {', '.join(PLANTS)}; got {', '.join(unknown)}")
     cuda = args.device == "cuda"
+    if args.env_id is None:
+        import vllm_check
+
+        args.env_id = vllm_check.ENV_ID
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.enforce_eager = (not cuda) if args.enforce_eager is None else args.enforce_eager
     args.sleep = (cuda or args.engine == "fake") if args.sleep is None else args.sleep
