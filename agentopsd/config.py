@@ -132,6 +132,11 @@ class OptimConfig:
     """Under FSDP2 (``trainer=fsdp``), reduce-scatter the gradients once per mini-batch, at its last micro-batch,
     instead of after every micro-batch: fewer collectives, but each rank holds the unsharded gradients of every
     layer meanwhile (the whole model's, in float32): for small models, or many micro-batches. No effect elsewhere."""
+    balance_tokens: bool = True
+    """Under several processes, move rows between ranks before the update so that every rank holds about the same
+    tokens (:mod:`agentopsd.balance`; trajectories kept whole where that balances): the update runs as many
+    micro-batches on every rank as on the busiest one. The gradient does not depend on where a row lives; which
+    rows share a mini-batch does. Costs one or two gathers per update. No effect on one process."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from agentopsd import distributed
+from agentopsd.balance import balance_rows
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.data import TaskBatch, collate_trajectories
@@ -354,6 +355,11 @@ class AgentRLModule(L.LightningModule):
         algo, cfg = self.algorithm, self.optim_cfg
         self._restore_optimizer_states()  # where an interrupted rollout left them on the host
         _, world = rank_and_world()
+        if world > 1 and cfg.balance_tokens:
+            # every rank about the same tokens: each mini-batch runs as many micro-batches as the busiest rank
+            # (the loss is normalised over every rank, so the gradient does not depend on where a row lives)
+            batch = balance_rows(batch, "update/balance", teacher_weight=1.0 if algo.needs_teacher_logits else 0.0,
+                                 pad_id=self.pad_id)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + batch_idx)
         stats_log: dict[str, list[float]] = {}
         losses = []

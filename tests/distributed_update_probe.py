@@ -5,7 +5,9 @@ gradient, loss and updated weights, so a test can compare them (tests/test_distr
 
 The 7 rows (unequal prompt and action lengths, advantages of both signs) are split unequally in the
 2-process runs: rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 2 (1 micro-batch, then dummy
-passes); the entropy bonus and the KL penalty are on.
+passes); under DDP the update first balances the ranks' tokens (``optim.balance_tokens``: rows move between
+them), under FSDP2 it does not (the deferred-reduction count needs the dummy passes); the entropy bonus and the
+KL penalty are on.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ def main(out: Path, mode: str) -> None:
     module = FixedRowsModule(
         out, model, tokenizer, algorithm=algo, env=EnvConfig(id=ENV), rollout=RolloutConfig(),
         optim=OptimConfig(lr=1e-3, ppo_epochs=1, num_mini_batches=1, micro_batch_size=2,
-                          defer_grad_reduction=mode == "fsdp-deferred"),
+                          defer_grad_reduction=mode == "fsdp-deferred", balance_tokens=mode == "ddp"),
         evaluation=EvalConfig(num_tasks=1), num_iterations=1,
     )
     strategy = {"single": "auto", "ddp": "ddp"}.get(mode)
