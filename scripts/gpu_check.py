@@ -393,12 +393,17 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
         if llm is not None and not getattr(llm, "_gpu_check_timed", False):
             llm.wake_up = timed("wake", llm.wake_up)
             llm._gpu_check_timed = True
+        if not hasattr(generator, "sleep"):  # transformers: nothing to sync or time
+            return sync(generator, model, step)
         if "stale-engine" in plant:  # the planted defect: the engine keeps the weights it has
             return
         timed("sync", sync)(generator, model, step)
 
+    def engine_sleep(generator: Any) -> None:
+        (timed("sleep", sleep) if hasattr(generator, "sleep") else sleep)(generator)
+
     factory.engine_sync = engine_sync
-    factory.engine_sleep = timed("sleep", sleep)
+    factory.engine_sleep = engine_sleep
     if "skip-cache-release" in plant:
         factory.release_device_cache = lambda: None
 

