@@ -256,6 +256,33 @@ class SimulatedWorld:
     def abort(self) -> None:
         self._barrier.abort()
 
+    def run(self, target: Callable[[int], Any], join_timeout: float = 120.0,
+            expected: tuple[type[BaseException], ...] = ()) -> dict[int, Any]:
+        """``target(rank)`` on every rank, each in its own thread inside ``with self.rank(rank)``; returns each
+        rank's result, or the exception it raised. An ``expected`` exception is an outcome like a result; any
+        other aborts the agreements, so the other ranks fail fast instead of waiting. Raises when a rank is
+        still running after ``join_timeout`` seconds."""
+        out: dict[int, Any] = {}
+
+        def one(r: int) -> None:
+            try:
+                with self.rank(r):
+                    out[r] = target(r)
+            except expected as err:
+                out[r] = err
+            except BaseException as err:  # noqa: BLE001 (handed back to the caller, whatever it is)
+                out[r] = err
+                self.abort()
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(join_timeout)
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError(f"a simulated rank is still running after {join_timeout} s")
+        return out
+
 
 def record(event: tuple) -> None:
     """Append ``event`` to this simulated rank's log (no-op outside a simulation)."""

@@ -8,7 +8,6 @@ import dataclasses
 import datetime
 import os
 import random
-import threading
 import time
 import traceback
 
@@ -244,23 +243,8 @@ CASES = {
 
 def _simulate(batches: list[RolloutBatch], **kw) -> tuple[list[RolloutBatch], SimulatedWorld]:
     world = SimulatedWorld(len(batches), timeout=30)
-    out: dict[int, RolloutBatch] = {}
-    errors: dict[int, str] = {}
-
-    def rank(r: int) -> None:
-        try:
-            with world.rank(r):
-                out[r] = balance_rows(batches[r], "update/balance", pad_id=PAD, **kw)
-        except BaseException:
-            errors[r] = traceback.format_exc(limit=-3)
-            world.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(batches))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a simulated rank is still running after 60 s"
+    out = world.run(lambda r: balance_rows(batches[r], "update/balance", pad_id=PAD, **kw), join_timeout=60)
+    errors = {r: "".join(traceback.format_exception(e, limit=-3)) for r, e in out.items() if isinstance(e, BaseException)}
     if errors:
         raise AssertionError(f"ranks failed: {errors}")
     return [out[r] for r in range(len(batches))], world
@@ -376,7 +360,6 @@ def test_the_update_gradient_does_not_depend_on_where_rows_live(tiny_walk_policy
     world = SimulatedWorld(2, timeout=60)
     grads: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     tokens: dict[tuple[str, int], float] = {}
-    errors: dict[int, str] = {}
 
     def gradient(module, b: RolloutBatch) -> dict[str, torch.Tensor]:
         local = float(b.action_mask.sum()) if algo.aggregation == "token-mean" else float(b.num_rows)
@@ -388,27 +371,18 @@ def test_the_update_gradient_does_not_depend_on_where_rows_live(tiny_walk_policy
         return {n: p.grad.clone() for n, p in module.model.named_parameters() if p.grad is not None}
 
     def rank(r: int) -> None:
-        try:
-            with world.rank(r):
-                module = _module(tiny_walk_policy, algo, r)
-                torch.manual_seed(r)
-                batch = module.rollout(_tasks(r))
-                module.algorithm.assign(batch, 0)
-                balanced = balance_rows(batch, "update/balance", teacher_weight=1.0, pad_id=module.pad_id)
-                for name, b in (("as dealt", batch), ("balanced", balanced)):
-                    grads[(name, r)] = gradient(module, b)
-                    tokens[(name, r)] = sum(row_costs(b, 1.0))
-                module.update(balanced, 0)
-        except BaseException:
-            errors[r] = traceback.format_exc(limit=-4)
-            world.abort()
+        module = _module(tiny_walk_policy, algo, r)
+        torch.manual_seed(r)
+        batch = module.rollout(_tasks(r))
+        module.algorithm.assign(batch, 0)
+        balanced = balance_rows(batch, "update/balance", teacher_weight=1.0, pad_id=module.pad_id)
+        for name, b in (("as dealt", batch), ("balanced", balanced)):
+            grads[(name, r)] = gradient(module, b)
+            tokens[(name, r)] = sum(row_costs(b, 1.0))
+        module.update(balanced, 0)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not any(t.is_alive() for t in threads) and not errors, errors
+    errors = {r: e for r, e in world.run(rank, join_timeout=180).items() if isinstance(e, BaseException)}
+    assert not errors, errors
     _same(world)
     assert ("gather", "update/balance/rows") in world.logs[0]  # rows did move
     dealt, balanced = [tokens[("as dealt", r)] for r in (0, 1)], [tokens[("balanced", r)] for r in (0, 1)]

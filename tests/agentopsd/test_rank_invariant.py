@@ -72,29 +72,19 @@ def _tasks(rank: int) -> TaskBatch:
 def run_ranks(policy, algorithm, *, fault_rank: int | None = None, max_turns=(5, 5), evaluate=True, optim: dict | None = None,
               eval_tasks: int = 3, rollout: dict | None = None, num_threads: int = 0) -> SimulatedWorld:
     world = SimulatedWorld(2, timeout=30)
-    errors: dict[int, str] = {}
 
     def rank(r: int) -> None:
-        try:
-            with world.rank(r):
-                module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r], optim=optim,
-                                 eval_tasks=eval_tasks, rollout=rollout, num_threads=num_threads)
-                torch.manual_seed(r)
-                batch = module.rollout(_tasks(r))
-                module.algorithm.assign(batch, 0)
-                module.update(batch, 0)
-                if evaluate:
-                    module.evaluate()
-        except BaseException:  # a mismatch shows as one rank waiting for the other: surface both
-            errors[r] = traceback.format_exc(limit=-4)
-            world.abort()
+        module = _module(policy, algorithm, r, fault_rate=1.0 if r == fault_rank else 0.0, max_turns=max_turns[r], optim=optim,
+                         eval_tasks=eval_tasks, rollout=rollout, num_threads=num_threads)
+        torch.manual_seed(r)
+        batch = module.rollout(_tasks(r))
+        module.algorithm.assign(batch, 0)
+        module.update(batch, 0)
+        if evaluate:
+            module.evaluate()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a simulated rank is still running after 120 s"
+    # a mismatch shows as one rank waiting for the other: surface both
+    errors = {r: "".join(traceback.format_exception(e, limit=-4)) for r, e in world.run(rank).items() if isinstance(e, BaseException)}
     if errors:
         raise AssertionError(f"ranks failed: {errors}; last events: {[log[-3:] for log in world.logs]}")
     return world

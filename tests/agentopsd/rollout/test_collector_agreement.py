@@ -3,9 +3,6 @@ alone and agree once at the end, not every turn; a stop requested on one rank st
 
 from __future__ import annotations
 
-import threading
-import traceback
-
 import pytest
 
 from agentopsd.distributed import SimulatedWorld
@@ -45,24 +42,8 @@ def _collect(policy, rank: int, max_turns: int, stop_at_turn: int | None, genera
 
 def run_two(policy, *, max_turns=(6, 2), stop_rank: int | None = None, generator_cls=OwnEngine) -> tuple[SimulatedWorld, dict]:
     world = SimulatedWorld(2, timeout=30)
-    outcome: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        try:
-            with world.rank(r):
-                outcome[r] = _collect(policy, r, max_turns[r], 1 if r == stop_rank else None, generator_cls)
-        except RolloutStopped as stop:
-            outcome[r] = stop
-        except BaseException:
-            outcome[r] = traceback.format_exc(limit=-4)
-            world.abort()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads)
+    outcome = world.run(lambda r: _collect(policy, r, max_turns[r], 1 if r == stop_rank else None, generator_cls),
+                        expected=(RolloutStopped,))
     return world, outcome
 
 
