@@ -37,6 +37,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,6 +134,18 @@ def check_peak_vs_plan(name: str, measured: int | None, planned: int | None, tol
     return Check(name, abs(ratio - 1) <= tolerance,
                  f"measured {measured / 2**20:.2f} MiB vs planned {planned / 2**20:.2f} MiB: {ratio:.3f} of the plan "
                  f"(within {1 - tolerance:.2f}..{1 + tolerance:.2f}) {what}".rstrip())
+
+
+OOM_LINE = re.compile(r"rank \d+ of \d+ ran out of device memory during (\w+)")
+
+
+def check_oom_reported(name: str, returncode: int | None, log_text: str, wall_s: float, limit_s: float = 120.0) -> Check:
+    """A rank out of device memory ended the whole job promptly (``agentopsd.oom``: exit 3 within ``limit_s``,
+    not the process-group timeout) with its one line naming the rank and the phase."""
+    match = OOM_LINE.search(log_text)
+    ok = returncode == 3 and match is not None and wall_s < limit_s
+    return Check(name, ok, f"exit {returncode} after {wall_s:.0f} s (< {limit_s:.0f}); "
+                 + (f"said: {match.group(0)}" if match else "no line naming the rank and the phase"))
 
 
 def probe_checks(ranks: Sequence[dict[str, Any]], leg: str = "none", prefix: str = "probe") -> list[Check]:
@@ -730,6 +743,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_below("train.first_ratio_dev", "loss/first_ratio_dev", stale_rows, LIMITS["first_ratio_dev"]),
             check_below("train.logprob_diff_mean", "rollout/logprob_diff_mean", stale_rows, LIMITS["logprob_diff_mean"]),
             check_below("train.tis_capped_frac", "rollout/tis_capped_frac", stale_rows, LIMITS["tis_capped_frac"])]))
+        # skip-cache-release in train.py itself: the engine cannot wake beside the update's cache, and the job
+        # must end at once (both ranks) with the line naming the rank and the phase
+        oom_dir = work / "control_oom"
+        oom = train_overrides(setup, policy, oom_dir, sizes, **common) + args.override + [
+            "evaluation.before_training=false", "num_iterations=2"]
+        oom_env = dict(env, **{TRAIN_ENV: json.dumps(dict(options, events=str(oom_dir / "events"), plant=["skip-cache-release"]))})
+        result = run_logged("control.skip-cache-release.train", train_command(oom), work / "control_oom.log",
+                            min(180.0, left()), oom_env)
+        controls.append(control_check("skip-cache-release.train", "train.exit", [
+            check_exit("train.exit", result.returncode, result.log),
+            check_oom_reported("train.oom_reported", result.returncode, result.log.read_text(errors="replace"), result.wall_s)]))
     shutil.rmtree(policy, ignore_errors=True)  # the weights are rebuilt in seconds; the logs stay
     print("\n".join(numbers(rows, events, probe_summaries)))
     print_checks("assertions:", checks)

@@ -123,6 +123,15 @@ def test_peak_vs_plan_fails_on_a_plan_off_by_2x_either_way(gpu_check) -> None:
     assert not gpu_check.check_peak_vs_plan("m", 100 * mib, 0).ok
 
 
+def test_an_out_of_memory_rank_must_end_the_job_promptly_naming_itself(gpu_check) -> None:
+    line = "error: rank 1 of 2 ran out of device memory during rollout: simulated: waking ...; lower ..."
+    assert gpu_check.check_oom_reported("o", 3, f"...\n{line}\n", 20.0).ok
+    assert not gpu_check.check_oom_reported("o", 3, f"{line}", 1800.0).ok  # the others waited for the timeout
+    assert not gpu_check.check_oom_reported("o", 1, f"{line}", 20.0).ok  # a traceback's exit, not the job ending
+    assert not gpu_check.check_oom_reported("o", 3, "torch.OutOfMemoryError: simulated", 20.0).ok  # no rank, no phase
+    assert not gpu_check.check_oom_reported("o", 0, "", 20.0).ok
+
+
 def test_control_check_wants_exactly_the_planted_failure(gpu_check) -> None:
     C = gpu_check.Check
     assert gpu_check.control_check("p", "a", [C("a", False, ""), C("b", True, "")]).ok
@@ -239,6 +248,6 @@ def test_the_cpu_rehearsal_passes_and_its_controls_fail_as_planted(tmp_path: Pat
                           capture_output=True, text=True, timeout=600, env=_env())
     out = proc.stdout
     for control in ("control.stale-engine.probe.fake", "control.skip-cache-release.probe.fake", "control.plan-2x",
-                    "control.stale-engine.train"):
+                    "control.stale-engine.train", "control.skip-cache-release.train"):
         assert f"PASS  {control}:" in out, out[-6000:]
     assert proc.returncode == 0 and "gpu_check: PASSED" in out, out[-6000:] + proc.stderr[-3000:]
