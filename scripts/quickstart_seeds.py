@@ -442,6 +442,12 @@ def rounding_table(rows: list[dict], algorithms: list[str]) -> list[str]:
     return lines
 
 
+def _commit_text(commit: str) -> str:
+    """The short hash, keeping ``+worktree`` (``--code``: a checkout's files, not the commit, were trained)."""
+    head, plus, rest = commit.partition("+")
+    return head[:12] + plus + rest
+
+
 def build_table(rows: list[dict], algorithms: list[str], iterations: int, command_line: str) -> str:
     """Markdown: per run, each algorithm's evaluations by iteration; per algorithm, the run-to-run and
     seed-to-seed spreads (runs at the target, at the end and two thirds of the way; mean; minimum)."""
@@ -459,7 +465,7 @@ def build_table(rows: list[dict], algorithms: list[str], iterations: int, comman
              f"wall time and peak memory (RSS) per run on a 2-core CPU (threads per run and runs at a time in the "
              f"summary). A repeat is the same seed run again from scratch, its warm start trained anew.", ""]
     lines += [f"Command{'s' if len(commands) > 1 else ''}: " + "; ".join(f"`{c}`" for c in commands) + "  ",
-              f"Commit: {', '.join(c[:12] for c in commits) or 'unknown'}" + ("  " if overrides else "")]
+              f"Commit: {', '.join(_commit_text(c) for c in commits) or 'unknown'}" + ("  " if overrides else "")]
     if overrides:
         lines.append(f"Overrides: {'; '.join(f'`{o}`' for o in overrides)}")
     lines.append("")

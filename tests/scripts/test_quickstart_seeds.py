@@ -294,4 +294,6 @@ def test_several_thread_counts_run_each_seed_once_per_count(qs, tmp_path: Path, 
     names = sorted(Path(next(a for a in c if a.startswith("output_dir=")).split("=", 1)[1]).name for c in calls)
     assert names == ["agentopsd-s0", "agentopsd-s0-t2", "agentopsd-s0-t3", "agentopsd-s1", "agentopsd-s1-t2", "agentopsd-s1-t3"]
     assert sorted(e["OMP_NUM_THREADS"] for e in envs) == ["1", "1", "2", "2", "3", "3"]
-    assert "| agentopsd | 0 | 3 (1, 2, 3) | 90 | 90 | 0 | 3 / 3 |" in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert "| agentopsd | 0 | 3 (1, 2, 3) | 90 | 90 | 0 | 3 / 3 |" in table
+    assert "Commit: abc+worktree" in table  # --code: the checkout's files were trained, not the commit
