@@ -218,7 +218,7 @@ def test_smollm2_vllm_cpu_engine_loads_the_folder_and_its_logprobs_are_the_train
             diffs += [abs(a - b) for a, b in zip(ours, row["logprobs"])]
         report[kind] = (sum(diffs) / len(diffs), max(diffs), len(diffs))
     print(f"vllm {probe['vllm']}: engine start {probe['engine_start_s']} s; |vLLM - trainer| log-prob "
-          + "; ".join(f"{k}: mean {m:.4f} max {x:.4f} over {n} tokens" for k, (m, x, n) in report.items()))
+          + "; ".join(f"{k}: mean {m:.1e} max {x:.1e} over {n} tokens" for k, (m, x, n) in report.items()))
     assert all(mean < LOGPROB_MEAN_TOL for mean, _, _ in report.values()), report
 
 
@@ -226,12 +226,21 @@ def test_smollm2_vllm_cpu_engine_loads_the_folder_and_its_logprobs_are_the_train
 
 SHORT_RUN = ["model=smollm2-135m", "experiment=none", "env=babyai", "rollout=hf", "trainer=cpu", "num_iterations=1",
              "data.tasks_per_batch=2", "data.group_size=2", "env.max_turns=2", "rollout.max_new_tokens=16",
-             "evaluation.num_tasks=2", "optim.num_mini_batches=1", "checkpoint.every_n_iterations=1",
-             "trainer.enable_progress_bar=false"]
-"""Two tasks x two copies, two turns of 16 tokens, one update, greedy evaluation of 2 tasks before and after."""
+             "evaluation.num_tasks=2", "optim.num_mini_batches=1", "optim.micro_batch_size=8", "optim.lr=1e-2",
+             "checkpoint.every_n_iterations=1", "trainer.enable_progress_bar=false"]
+"""Two tasks x two copies, two turns of 16 tokens (8 rows: one micro-batch), one update, greedy evaluation of 2
+tasks before and after. The step is large (lr 1e-2 on LoRA r=8) so that the trained policy's greedy actions differ
+from the untrained one's: at 1e-4 they were the same, and an evaluation of the wrong weights would pass."""
+LORA_R8 = "model.lora={r:8,alpha:16,target_modules:all-linear}"
 EVAL_PROTOCOL = ["model=smollm2-135m", "experiment=none", "env=babyai", "rollout=hf", "trainer=cpu", "env.max_turns=2",
                  "rollout.max_new_tokens=16", "evaluation.num_tasks=2", "trainer.enable_progress_bar=false"]
-"""What decides the evaluation (environment, turns, tokens, tasks, seed 0), as SHORT_RUN has it."""
+"""What decides the evaluation (environment, turns, tokens, tasks, seed 0), as SHORT_RUN has it. agentopsd-eval
+composes its config from these, not from the run's saved config: without them ``ckpt_path=<run>`` evaluates the
+quickstart's environment (PickupObj, 100 tasks)."""
+PLAN_TOLERANCE = 4.0
+"""The memory plan counts a GPU's worst case: every row padded to env.max_prompt_tokens + rollout.max_new_tokens
+(1040 tokens; these rows are about 250), LoRA's gradients and AdamW states as if every weight trained, and a 2 GiB
+CUDA estimate. It must never count less than the process's peak RSS, and not more than this many times it."""
 
 
 def run_measured(cmd: list[str], timeout: float) -> tuple[int, str, float, float]:
@@ -258,50 +267,73 @@ def run_measured(cmd: list[str], timeout: float) -> tuple[int, str, float, float
     return proc.returncode, out, seconds, usage.ru_maxrss / scale
 
 
-def eval_rows(run: Path) -> list[dict[str, str]]:
+def metric_rows(run: Path, key: str) -> list[dict[str, str]]:
+    """The CSV logger's rows of ``run`` that have ``key``."""
     import csv
 
     rows = []
     for path in sorted((run / "csv").glob("version_*/metrics.csv")):
         with path.open() as f:
-            rows += [r for r in csv.DictReader(f) if r.get("eval/success")]
+            rows += [r for r in csv.DictReader(f) if r.get(key)]
     return rows
+
+
+def evaluate(tmp_path: Path, name: str, *args: str) -> tuple[dict[str, float], list[list[str]]]:
+    """``agentopsd-eval`` with ``args``: its metrics and each episode's actions."""
+    out_dir = tmp_path / name
+    code, out, seconds, rss = run_measured([sys.executable, "-m", "agentopsd.eval_cli", *args, f"eval_dir={out_dir}"], timeout=300)
+    assert code == 0, out[-3000:]
+    print(f"agentopsd-eval ({name}): {seconds:.0f} s, peak RSS {rss:.0f} MiB")
+    episodes = [json.loads(line) for line in (out_dir / "episodes.jsonl").read_text().splitlines()]
+    return json.loads((out_dir / "eval.json").read_text())["metrics"], [e["actions"] for e in episodes]
+
+
+def planned_gib(*overrides: str) -> float:
+    """The largest phase of ``python -m agentopsd.memory`` for ``overrides``, in GiB."""
+    import re
+
+    code, out, _, _ = run_measured([sys.executable, "-m", "agentopsd.memory", *overrides], timeout=120)
+    found = re.search(r"total \(largest phase\)\s+([\d.]+) GiB", out)
+    assert code == 0 and found, out[-2000:]
+    print(*(line for line in out.splitlines() if "GiB" in line), sep="\n")
+    return float(found.group(1))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smollm2_one_short_lora_iteration_end_to_end_then_its_export_evaluates_the_same(smollm2_dir, tmp_path):  # noqa: F811
     """``train.py model=smollm2-135m`` cut to one iteration (LoRA r=8): it exits 0 with a checkpoint and a CSV
-    row of every kind (training, evaluation before and after); ``agentopsd-export`` merges it, and
-    ``agentopsd-eval model.path=<export>`` on the same protocol gives the run's final evaluation, metric for
-    metric (success, score, turns, faults, episodes, per type and horizon)."""
+    row of every kind (the update, the evaluation before and after). ``agentopsd-export`` merges it, and
+    ``agentopsd-eval model.path=<export>`` on the same protocol gives the run's final evaluation metric for metric
+    (success, score, turns, faults, episodes, per type and horizon) and, episode for episode, the greedy actions of
+    ``agentopsd-eval ckpt_path=<run>`` (the run's own checkpoint, LoRA unmerged), which differ from the untrained
+    model's. The memory plan of the same config counts at least the run's peak RSS (see PLAN_TOLERANCE)."""
     pytest.importorskip("peft")
     runs = tmp_path / "runs"
-    code, out, seconds, rss = run_measured(
-        [sys.executable, "train.py", *SHORT_RUN, f"runs_dir={runs}", "model.lora={r:8,alpha:16,target_modules:all-linear}"],
-        timeout=720)
+    code, out, seconds, rss = run_measured([sys.executable, "train.py", *SHORT_RUN, LORA_R8, f"runs_dir={runs}"], timeout=720)
     assert code == 0, out[-5000:]
     run = (runs / "latest").resolve()
     assert (run / "checkpoints" / "last.ckpt").is_file()
-    evals = eval_rows(run)
+    evals = metric_rows(run, "eval/success")
     assert [float(r["eval/iteration"]) for r in evals] == [0.0, 1.0], evals
-    with next((run / "csv").glob("version_*/metrics.csv")).open() as f:
-        import csv
-
-        train = [r for r in csv.DictReader(f) if r.get("loss/total")]
-    assert len(train) == 1 and all(r["loss/total"] not in ("", "nan") for r in train)
+    updates = metric_rows(run, "loss/total")
+    assert len(updates) == 1 and float(updates[0]["loss/grad_norm"]) > 0, updates
     print(f"train.py, 1 SmolLM2 LoRA iteration: {seconds:.0f} s, peak RSS {rss:.0f} MiB")
 
     export_dir = tmp_path / "export"
     code, out, seconds, _ = run_measured([sys.executable, "-m", "agentopsd.export", str(run), str(export_dir)], timeout=300)
     assert code == 0 and "LoRA merged" in out, out[-3000:]
     print(f"agentopsd-export: {seconds:.0f} s")
-    code, out, seconds, eval_rss = run_measured(
-        [sys.executable, "-m", "agentopsd.eval_cli", *EVAL_PROTOCOL, f"model.path={export_dir}", f"eval_dir={tmp_path / 'eval'}"],
-        timeout=300)
-    assert code == 0, out[-3000:]
-    print(f"agentopsd-eval on the export: {seconds:.0f} s, peak RSS {eval_rss:.0f} MiB")
-    metrics = json.loads((tmp_path / "eval" / "eval.json").read_text())["metrics"]
+    metrics, actions = evaluate(tmp_path, "export", *EVAL_PROTOCOL, f"model.path={export_dir}")
     final = {k: float(v) for k, v in evals[-1].items() if k.startswith("eval/") and k != "eval/iteration" and v}
     assert final.keys() == metrics.keys() and final["eval/episodes"] == 2, (final, metrics)
     assert all(metrics[k] == pytest.approx(v) for k, v in final.items()), (final, metrics)
+    _, checkpoint_actions = evaluate(tmp_path, "checkpoint", *EVAL_PROTOCOL, f"ckpt_path={run}", LORA_R8)
+    assert actions == checkpoint_actions
+    _, untrained_actions = evaluate(tmp_path, "untrained", *EVAL_PROTOCOL)
+    assert untrained_actions != actions  # the comparisons above can tell the trained weights from the untrained
+
+    plan = planned_gib(*SHORT_RUN, LORA_R8, f"model.path={smollm2_dir}")
+    measured = rss / 1024
+    print(f"memory plan {plan:.2f} GiB, measured peak RSS {measured:.2f} GiB: {plan / measured:.1f}x")
+    assert measured <= plan <= PLAN_TOLERANCE * measured
