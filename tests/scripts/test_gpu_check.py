@@ -172,6 +172,15 @@ def test_probe_gap_sleep_share_and_legs(probe) -> None:
     assert not probe.leg_behaved("skip-cache-release", checks)
 
 
+def test_the_engine_device_is_found_through_a_wrapper(probe) -> None:
+    import types
+
+    model = torch.nn.Linear(2, 2)
+    assert probe.engine_weights_device(model) == "cpu"
+    assert probe.engine_weights_device(types.SimpleNamespace(runnable=model)) == "cpu"
+    assert probe.engine_weights_device(types.SimpleNamespace()) == "unknown"
+
+
 def test_probe_defaults_are_production_settings_on_cuda(probe) -> None:
     cuda = probe.parse_args(["--device", "cuda", "--workdir", "w", "--json-out", "o"])
     assert (cuda.dtype, cuda.enforce_eager, cuda.sleep, cuda.cycles, cuda.train_steps, cuda.lr) == ("bfloat16", False, True, 2, 5, 1e-3)
