@@ -640,10 +640,12 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     shards = world if strategy == "fsdp2" else 1
     params = arch.parameters
     h, vocab = arch.hidden_size, arch.vocab_size
+    # under bf16-mixed FSDP2 gathers bf16 copies and computes bf16 gradients (agentopsd.strategies.fsdp_mixed_precision)
+    gb = cb if precision == "bf16-mixed" else pb
     if strategy == "fsdp2":
         # root params and grads stay whole through forward and backward; two layers' params
         # (computing + prefetched) and one layer's gradient before its reduce-scatter
-        gathered = (2 * arch.root_parameters + 3 * arch.layer_parameters) * pb
+        gathered = (2 * arch.root_parameters + 3 * arch.layer_parameters) * gb
     elif strategy == "ddp":
         gathered = params * pb  # gradient buckets: a second copy of every gradient
     else:
@@ -661,7 +663,7 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     # SCORING_HEAD_POSITIONS positions at a time (either: one chunk with the lever)
     if strategy == "fsdp2":
         score_tokens, score_positions = tokens, head_positions
-        score_gathered, kv_cache = (arch.root_parameters + 2 * arch.layer_parameters) * pb, 0
+        score_gathered, kv_cache = (arch.root_parameters + 2 * arch.layer_parameters) * gb, 0
     else:
         score_tokens, score_positions, score_gathered = SCORING_ROWS_TOKENS, SCORING_HEAD_POSITIONS, 0
         kv_cache = arch.num_layers * 2 * arch.kv_dim * score_tokens * cb

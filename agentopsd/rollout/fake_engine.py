@@ -23,6 +23,7 @@ assert the order and a rehearsal can count sleeps, wakes and syncs. Nothing here
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from collections.abc import Iterable, Sequence
@@ -199,6 +200,8 @@ def install(*, sleep_available: bool = True) -> types.ModuleType:
     platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: sleep_available)
     modules = {"vllm": mod, "vllm.inputs": inputs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils,
                "vllm.platforms": platforms}
+    for name, module in modules.items():  # importlib.util.find_spec("vllm") (train.py's check) reads it
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     if not _saved:
         _saved["modules"] = {name: sys.modules.get(name) for name in modules}
         _saved["release"] = factory.release_device_cache

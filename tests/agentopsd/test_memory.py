@@ -73,8 +73,9 @@ def test_the_7b_arithmetic_by_hand() -> None:
     assert plan.weights == params * 4 // 8 == 3_807_808_256  # float32 master weights over 8 shards
     assert plan.gradients == 3_807_808_256
     assert plan.optimizer == 2 * 3_807_808_256  # exp_avg + exp_avg_sq
-    # FSDP2: root params + root grads kept whole; 2 layers' params + 1 layer's gradient, float32
-    assert plan.gathered == (2 * root + 3 * layer) * 4 == 11_516_680_192
+    # bf16 copies under bf16-mixed (FSDP2 gathers and computes gradients in bf16): the root and two layers, with
+    # gradients for the root and one layer (float32 was the old count, 2x over)
+    assert plan.gathered == (2 * root + 3 * layer) * 2 == 5_758_340_096
     tokens = 4 * (2048 + 512)  # micro_batch_size x (max_prompt_tokens + max_new_tokens)
     per_token = 8 * h + 2 * kv_dim + 4 * inter  # 105,472 values a layer saves per token
     outside = h + 2 * 128  # the final norm's output, RoPE's cos and sin (head dim 128): 3,840
@@ -94,23 +95,23 @@ def test_the_7b_arithmetic_by_hand() -> None:
     # the sync: two full bf16 copies of the largest weight, the 152,064 x 3,584 embedding (or head):
     # 544,997,376 values x 2 bytes x 2 copies
     assert plan.sync_temporary == 2_179_989_504
-    # update: weights 3,807,808,256 + gradients 3,807,808,256 + AdamW 7,615,616,512 + gathered 11,516,680,192
-    #   + activations 6,453,985,280 + logits 7,474,249,728 + reference 3,807,808,256 = 44,483,956,480,
-    #   + vLLM asleep 1 GiB (1,073,741,824) + margin 2 GiB (2,147,483,648) = 47,705,181,952
+    # update: weights 3,807,808,256 + gradients 3,807,808,256 + AdamW 7,615,616,512 + gathered 5,758,340,096
+    #   + activations 6,453,985,280 + logits 7,474,249,728 + reference 3,807,808,256 = 38,725,616,384,
+    #   + vLLM asleep 1 GiB (1,073,741,824) + margin 2 GiB (2,147,483,648) = 41,946,841,856
     # resident between updates: weights + AdamW + reference + margin = 15,231,233,024 + 2,147,483,648 = 17,378,716,672
     # sync: resident + vLLM's bf16 weights 15,231,233,024 + 2,179,989,504 = 34,789,939,200
     # rollout: resident + vLLM's 34,359,738,368 = 51,738,455,040 (the peak; / 2**30 = 48.186)
     # optimizer step: weights + gradients + AdamW 15,231,233,024 + foreach AdamW's sqrt(exp_avg_sq) 3,807,808,256
     #   + reference 3,807,808,256 + vLLM asleep + margin 3,221,225,472 = 26,068,075,008
     assert plan.step_temporary == 3_807_808_256
-    # scoring (no gradient, whole-model passes of 4 x 2,560 tokens): the root and 2 layers gathered in float32
-    #   (1,089,998,336 + 2 x 233,057,792) x 4 = 6,224,455,680, one layer's MLP 10,240 x (2 x 3,584 + 3 x 18,944) x 2
+    # scoring (no gradient, whole-model passes of 4 x 2,560 tokens): the root and 2 layers gathered in bf16
+    #   (1,089,998,336 + 2 x 233,057,792) x 2 = 3,112,227,840, one layer's MLP 10,240 x (2 x 3,584 + 3 x 18,944) x 2
     #   = 1,310,720,000, the action positions' hidden states 2,048 x 3,584 x 2 = 14,680,064 and the head's bf16
-    #   logits, float32 copy and logsumexp temporary 2,048 x 152,064 x 10 = 3,114,270,720: 10,664,126,464;
-    #   + resident 17,378,716,672 + vLLM asleep 1,073,741,824 = 29,116,584,960
-    assert plan.scoring == 10_664_126_464
-    assert plan.sleep_mode and plan.phases == {"update": 47_705_181_952, "optimizer step": 26_068_075_008,
-                                               "scoring": 29_116_584_960, "sync": 34_789_939_200, "rollout": 51_738_455_040}
+    #   logits, float32 copy and logsumexp temporary 2,048 x 152,064 x 10 = 3,114,270,720: 7,551,898,624;
+    #   + weights, AdamW, reference and margin 17,378,716,672 + vLLM asleep 1,073,741,824 = 26,004,357,120
+    assert plan.scoring == 7_551_898_624
+    assert plan.sleep_mode and plan.phases == {"update": 41_946_841_856, "optimizer step": 26_068_075_008,
+                                               "scoring": 26_004_357_120, "sync": 34_789_939_200, "rollout": 51_738_455_040}
     assert plan.margins["rollout"] == 80 * GIB - 51_738_455_040
     assert plan.total == 51_738_455_040
     assert round(plan.total / GIB, 2) == 48.19
@@ -129,15 +130,15 @@ def test_the_7b_arithmetic_by_hand() -> None:
     awake = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "trainer.precision=bf16-mixed",
                                         "model.dtype=float32", "algorithm.kl_coef=0.01", "algorithm.entropy_coef=0.001",
                                         "rollout.vllm.enable_sleep_mode=false", *unchunked]), gpu_memory_gib=80)
-    # 44,483,956,480 (the update above) + vLLM awake 34,359,738,368 + margin 2,147,483,648
-    expected_total = 80_991_178_496
-    assert not awake.sleep_mode and awake.total == expected_total and round(awake.total / GIB, 2) == 75.43
+    # 38,725,616,384 (the update above) + vLLM awake 34,359,738,368 + margin 2,147,483,648
+    expected_total = 75_232_838_400
+    assert not awake.sleep_mode and awake.total == expected_total and round(awake.total / GIB, 2) == 70.07
     # the shipped setting loads bf16 weights: the reference copy is bf16, the master weights float32
     shipped = plan_memory(compose_config(["+experiment=webshop_7b", "trainer.devices=8", "rollout.vllm.enable_sleep_mode=false",
                                           *unchunked]), 80)
     assert shipped.param_dtype == "float32" and shipped.reference == params * 2 // 8
     # the float32 reference (3,807,808,256 over 8 shards) becomes bf16: 7,615,616,512 x 2 / 8 = 1,903,904,128
-    assert shipped.phases["update"] == 80_991_178_496 - 3_807_808_256 + 1_903_904_128
+    assert shipped.phases["update"] == 75_232_838_400 - 3_807_808_256 + 1_903_904_128
 
 
 def test_alfworld_3b_fits_one_80_gib_gpu_with_sleep_mode_and_not_without() -> None:
