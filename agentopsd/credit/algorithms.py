@@ -167,6 +167,10 @@ class Algorithm:
     entropy_coef: float = 0.0
     """Entropy bonus on the action tokens (off by default; the 3B/7B experiments set the public runs' 0.001)."""
     aggregation: str = "token-mean"
+    scale_by_std: bool = True
+    """Divide each group's centred outcome by the group's std (GRPO, the paper's setting). False: ``R - mean_g R``
+    (Dr. GRPO; GiGPO's ``norm: mean``): a group's advantages then have variance p(1-p), so one failure among 8
+    copies weighs under half a half-won group instead of as much (``results/quickstart_seeds/README.md``)."""
 
     needs_teacher = False
     needs_teacher_logits = False
@@ -187,6 +191,9 @@ class Algorithm:
 
         The algorithm's credit first, then each turn's shaping penalty on that turn's tokens only.
         """
+        if not self.scale_by_std:  # the sequence advantage every algorithm builds on, centred only
+            _set(batch, "seq_advantages", grpo_advantages(_get(batch, "rewards").float(), _get(batch, "group_ids"),
+                                                          scale_by_std=False))
         credit = self.credit(batch, step)
         self._charge_penalties(batch)
         return credit
@@ -413,6 +420,9 @@ class GiGPO(Algorithm):
             raise ValueError(f"algorithm.step_weight must be >= 0, got {self.step_weight}")
         if self.norm not in GIGPO_NORMS:
             raise ValueError(f"algorithm.norm must be one of {GIGPO_NORMS}, got {self.norm!r}")
+        if not self.scale_by_std and self.norm == "mean_std":
+            raise ValueError("algorithm.scale_by_std=false with GiGPO's norm mean_std would scale the step level and not "
+                             "the episode level: set algorithm.norm=mean instead (both levels centred only)")
 
     def credit(self, batch: Mapping | object, step: int) -> dict[str, Tensor]:
         if isinstance(batch, Mapping) and batch.get("token_turn") is not None:

@@ -413,3 +413,32 @@ def test_gigpo_needs_states():
     with pytest.raises(KeyError, match="turn_state"):
         GiGPO().assign(b)
     assert not GiGPO.needs_teacher
+
+
+def test_scale_by_std_false_centres_the_outcome_without_dividing_by_the_group_std():
+    """One failure among 8 copies: by the group's std it gets -2.47 and each win +0.35 (as much weight as a half-won
+    group); centred only, -0.875 and +0.125 (issue 38: single failures near full success)."""
+    from agentopsd.credit.advantages import grpo_advantages
+    from agentopsd.credit.algorithms import Algorithm
+
+    rewards = torch.tensor([0.0] + [1.0] * 7)
+    group_ids = torch.zeros(8, dtype=torch.long)
+
+    def batch():  # row layout: one row per trajectory, two action tokens each
+        return {"rewards": rewards, "group_ids": group_ids, "seq_advantages": grpo_advantages(rewards, group_ids),
+                "turn_traj": torch.arange(8), "action_mask": torch.ones(8, 2, dtype=torch.bool)}
+
+    scaled, centred = batch(), batch()
+    Algorithm().assign(scaled)
+    Algorithm(scale_by_std=False).assign(centred)
+    assert scaled["advantages"][0, 0] == pytest.approx(-2.4749, abs=1e-3) and scaled["advantages"][1, 0] == pytest.approx(0.3536, abs=1e-3)
+    assert torch.allclose(centred["advantages"][:, 0], torch.tensor([-0.875] + [0.125] * 7))
+    assert torch.allclose(centred["seq_advantages"], torch.tensor([-0.875] + [0.125] * 7))
+
+
+def test_scale_by_std_false_with_gigpo_needs_its_mean_norm():
+    from agentopsd.credit.algorithms import GiGPO
+
+    with pytest.raises(ValueError, match="algorithm.norm=mean"):
+        GiGPO(scale_by_std=False)
+    GiGPO(scale_by_std=False, norm="mean")
