@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.machinery
 import sys
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,14 +182,14 @@ def _sampling_params(**kw: Any) -> Any:
 _saved: dict[str, Any] = {}
 
 
-def install(*, sleep_available: bool = True) -> types.ModuleType:
-    """Put the fake ``vllm`` in ``sys.modules`` (undone by :func:`uninstall`), hook the simulated device to
-    every optimizer step and to the trainer's cache release, and return the fake package."""
-    from agentopsd.rollout import factory
-
+def fake_vllm_modules(llm_class: type, *, sleep_available: bool | Callable[[], bool]) -> dict[str, types.ModuleType]:
+    """The modules of a fake ``vllm`` package, by name, with what the backend touches: ``LLM`` (``llm_class``),
+    ``SamplingParams``, ``inputs.TokensPrompt``, ``EngineArgs``' ``logprobs_mode`` field and the platform's sleep
+    mode (``sleep_available``, or a function asked each time). Each carries a spec, as ``importlib.util.find_spec("vllm")`` (train.py's check)
+    reads it."""
     mod = types.ModuleType("vllm")
     mod.__version__ = "0.0.0-fake"
-    mod.LLM = FakeLLM
+    mod.LLM = llm_class
     mod.SamplingParams = _sampling_params
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
@@ -197,11 +197,22 @@ def install(*, sleep_available: bool = True) -> types.ModuleType:
     arg_utils = types.ModuleType("vllm.engine.arg_utils")
     arg_utils.EngineArgs = type("EngineArgs", (), {"__dataclass_fields__": {"logprobs_mode": None}})
     platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: sleep_available)
+    available = sleep_available if callable(sleep_available) else (lambda: sleep_available)
+    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=available)
     modules = {"vllm": mod, "vllm.inputs": inputs, "vllm.engine": engine, "vllm.engine.arg_utils": arg_utils,
                "vllm.platforms": platforms}
-    for name, module in modules.items():  # importlib.util.find_spec("vllm") (train.py's check) reads it
+    for name, module in modules.items():
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    return modules
+
+
+def install(*, sleep_available: bool = True) -> types.ModuleType:
+    """Put the fake ``vllm`` in ``sys.modules`` (undone by :func:`uninstall`), hook the simulated device to
+    every optimizer step and to the trainer's cache release, and return the fake package."""
+    from agentopsd.rollout import factory
+
+    modules = fake_vllm_modules(FakeLLM, sleep_available=sleep_available)
+    mod = modules["vllm"]
     if not _saved:
         _saved["modules"] = {name: sys.modules.get(name) for name in modules}
         _saved["release"] = factory.release_device_cache

@@ -21,6 +21,7 @@ from torch import nn
 
 from agentopsd.rollout import vllm_backend
 from agentopsd.rollout.base import SamplingConfig
+from agentopsd.rollout.fake_engine import fake_vllm_modules
 from agentopsd.rollout.vllm_backend import VLLMGenerator, iter_full_weights
 
 
@@ -90,18 +91,9 @@ def fake_vllm(monkeypatch):
     """A ``vllm`` package with what the backend touches."""
     FakeLLM.instances = []
     FakeLLM.sleep_available = False
-    mod = types.ModuleType("vllm")
-    mod.LLM = FakeLLM
-    mod.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    engine = types.ModuleType("vllm.engine")
-    arg_utils = types.ModuleType("vllm.engine.arg_utils")
-    arg_utils.EngineArgs = type("EngineArgs", (), {"__dataclass_fields__": {"logprobs_mode": None}})
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: FakeLLM.sleep_available)
-    for name, m in (("vllm", mod), ("vllm.inputs", inputs), ("vllm.engine", engine), ("vllm.engine.arg_utils", arg_utils),
-                    ("vllm.platforms", platforms)):
+    modules = fake_vllm_modules(FakeLLM, sleep_available=lambda: FakeLLM.sleep_available)
+    mod = modules["vllm"]
+    for name, m in modules.items():
         monkeypatch.setitem(sys.modules, name, m)
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTORCH_CUDA_ALLOC_CONF",
                 "VLLM_ALLOW_INSECURE_SERIALIZATION"):
