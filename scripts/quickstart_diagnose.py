@@ -1,7 +1,7 @@
 """Why a quickstart run unlearns: per iteration, what the update saw and what the policy does at the decisive turn.
 
     python train.py seed=0 checkpoint.every_n_iterations=1 checkpoint.keep_policies=true rollout_log.max_samples=64
-    python scripts/quickstart_diagnose.py runs/quickstart/latest [more run folders] --out diagnosis.md
+    python scripts/quickstart_diagnose.py runs/quickstart/latest [more run folders] --out OUT
 
 The run must keep its policy at every iteration (``checkpoint.every_n_iterations=1
 checkpoint.keep_policies=true``) and log every trajectory of the batch (``rollout_log.max_samples=64``,
