@@ -61,6 +61,10 @@ SHAPES = {"0.5b": QWEN25_05B, "tiny": TINY}
 LIMITS = {"first_ratio_dev": 1e-2, "logprob_diff_mean": 0.05, "tis_capped_frac": 0.05, "peak_vs_plan": 0.10,
           "probe_mean": 0.02, "probe_max": 0.5}
 """The assertions' limits (issue 36)."""
+CPU_PEAK_TOLERANCE = 0.15
+"""The CPU rehearsal's band for the peak against the plan: its tiny model's update holds about 7 MiB, where the
+CPU allocator's own temporaries move the measured peak by several percent from run to run (0.86-0.94 of the plan
+measured on one machine); the 2x control stays far outside it. On a GPU the band is ``LIMITS["peak_vs_plan"]``."""
 PLANTS = ("stale-engine", "skip-cache-release", "plan-2x")
 TRAIN_ENV = "GPU_CHECK_TRAIN"
 """Set (a JSON object) when this file runs as train.py: see :func:`train_entry`."""
@@ -510,7 +514,9 @@ def peak_memory_check(overrides: Sequence[str], events: Sequence[dict[str, Any]]
     measured = worst["start_bytes"] + worst["peak_bytes"]
     planned, label = planned_update_peak(overrides, worst["micro_rows"], worst["micro_length"], worst["micro_action"],
                                          double=double)
-    return check_peak_vs_plan("train.peak_vs_plan", measured, planned, what=label), {"measured": measured, "planned": planned}
+    tolerance = LIMITS["peak_vs_plan"] if worst.get("cuda") else CPU_PEAK_TOLERANCE
+    return (check_peak_vs_plan("train.peak_vs_plan", measured, planned, tolerance=tolerance, what=label),
+            {"measured": measured, "planned": planned})
 
 
 # ---------------------------------------------------------------------------------------- the probe
