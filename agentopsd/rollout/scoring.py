@@ -610,10 +610,23 @@ class Scorer:
         return rb, torch.zeros(1, dtype=torch.long, device=self.device)
 
 
-def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: float) -> dict[str, float]:
+def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: float,
+                       row_staleness: Tensor | None = None) -> dict[str, float]:
     """The generator's log-prob gap from the trainer's forward (:meth:`Scorer.score_rollout`) and the share of
-    truncated importance weights at their cap."""
+    truncated importance weights at their cap.
+
+    ``row_staleness`` ``[M]`` (updates between each row's generating weights and this update; asynchronous
+    rollouts): the ``logprob_diff`` metrics, which :func:`warn_on_logprob_gap` reads as the engine's numerics,
+    then cover the fresh rows only, since a stale row's gap is mostly the weights' drift, which the importance
+    weights correct; that drift is ``rollout/logprob_diff_stale_mean``."""
     metrics = {}
+    if backend_gap is not None and backend_gap.numel() and row_staleness is not None:
+        # backend_gap is row-major over the action tokens: each token's row's staleness, in the same order
+        token_staleness = row_staleness.to(rb.action_mask.device)[:, None].expand_as(rb.action_mask)[rb.action_mask]
+        stale = backend_gap[token_staleness > 0]
+        if stale.numel():
+            metrics["rollout/logprob_diff_stale_mean"] = float(stale.mean())
+        backend_gap = backend_gap[token_staleness == 0]
     if backend_gap is not None and backend_gap.numel():
         metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
         metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
@@ -624,10 +637,31 @@ def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: fl
     return metrics
 
 
+STALENESS_TIS_CAP = 2.0
+"""The truncated importance weight's cap under ``rollout.max_staleness > 0`` when ``optim.tis_cap`` is 0 (verl's
+recipes use 2): stale turns must be corrected, so the weight cannot be left off there."""
+
+
+def effective_tis_cap(optim: OptimConfig, rollout: RolloutConfig) -> float | None:
+    """The cap of the truncated importance weights ``min(exp(log pi_old - log pi_behaviour), cap)``, or None
+    where they do not apply.
+
+    Two cases apply. An engine other than the trainer's forward generated the tokens (a cap is set, the backend
+    is not the transformers one, whose log-probs are the trainer's, and the behaviour log-probs are recomputed).
+    Or ``rollout.max_staleness > 0``: the tokens came from weights up to k updates old, the old log-probs are
+    the proximal policy's (the module forces the recompute), and the weight runs from behaviour to proximal
+    (decoupled PPO), capped at ``optim.tis_cap``, or :data:`STALENESS_TIS_CAP` when that is 0.
+    """
+    if rollout.max_staleness > 0:
+        return float(optim.tis_cap) if optim.tis_cap > 0 else STALENESS_TIS_CAP
+    if optim.tis_cap > 0 and rollout.backend != "hf" and rollout.recompute_old_logprobs:
+        return float(optim.tis_cap)
+    return None
+
+
 def tis_applies(optim: OptimConfig, rollout: RolloutConfig) -> bool:
-    """Truncated importance sampling applies: a cap is set and the behaviour log-probs come from an engine
-    other than the trainer's forward (never on the transformers backend, whose are the trainer's)."""
-    return bool(optim.tis_cap > 0 and rollout.backend != "hf" and rollout.recompute_old_logprobs)
+    """Truncated importance sampling applies (:func:`effective_tis_cap` gives a cap)."""
+    return effective_tis_cap(optim, rollout) is not None
 
 
 def warn_on_logprob_gap(mean_gap: float | None, limit: float, iteration: int, *, tis_on: bool) -> None:
