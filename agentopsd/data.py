@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -81,8 +82,16 @@ class TaskStream:
         while self.position < self.num_iterations:
             i = self.position
             self.position += 1
-            yield TaskBatch(i, sample_tasks(self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, i, self.seed))
+            yield TaskBatch(i, self.tasks_of(i))
         self.position = 0  # the next epoch starts over
+
+    def tasks_of(self, iteration: int) -> tuple[TaskSpec, ...]:
+        """The tasks of any iteration, without moving the stream (an asynchronous producer plays ahead of it)."""
+        return sample_tasks(self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, iteration, self.seed)
+
+    def task_function(self) -> functools.partial:
+        """:meth:`tasks_of` as a picklable function of the iteration (it crosses into a rollout worker process)."""
+        return functools.partial(sample_tasks, self.env_id, self.num_tasks, self.tasks_per_batch, self.group_size, seed=self.seed)
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position, "seed": self.seed}

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
+import sys
 import time
 
 import lightning as L
@@ -35,14 +37,16 @@ from agentopsd.oom import out_of_memory_ends_the_job
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rng_state import capture, restore
 from agentopsd.rollout import factory
+from agentopsd.rollout.async_rollout import AsyncRollout, RolloutWorkerError, WorkerSpec, rank_tasks
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.scoring import (
     Scorer,
+    effective_tis_cap,
     engine_gap_metrics,
     sharing_order,
-    tis_applies,
     warn_on_logprob_gap,
 )
+from agentopsd.rollout.staleness import check_staleness, spanning_share, staleness_metrics
 from agentopsd.runs import reopen_finished_epoch
 from agentopsd.strategies import prepare_policy
 from agentopsd.types import RolloutBatch, TaskSpec
@@ -134,6 +138,8 @@ class AgentRLModule(L.LightningModule):
         ref = frozen_copy(model) if algorithm.kl_coef > 0 else None
         object.__setattr__(self, "ref_model", ref)
         self._collector: Collector | None = None
+        self._producer: AsyncRollout | None = None
+        """The rollout worker under ``rollout.max_staleness`` > 0 (started at the first training rollout)."""
         self._sharded = False
         """True once configure_model applied FSDP2: forwards become collectives."""
         self._states_offloaded = False
@@ -190,28 +196,17 @@ class AgentRLModule(L.LightningModule):
         self.model.eval()
         try:
             with self._phase("rollout"):
-                collector = self.collector
-                self._offload_optimizer_states()
-                factory.engine_sync(collector.generator, self.model, self.iterations_done)
-                rank, world = rank_and_world()
-                tasks = batch.tasks
-                if world > 1:  # each rank plays whole groups of its own
-                    tasks = tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
-                t0 = time.perf_counter()
-                try:
-                    trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
-                except RolloutStopped:
-                    raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
-                factory.engine_sleep(collector.generator)
-                self._restore_optimizer_states()
-                t_rollout = time.perf_counter() - t0
+                if self.asynchronous:
+                    trajectories, metrics, t_rollout = self._collect_ahead(batch)
+                else:
+                    trajectories, metrics, t_rollout = self._collect_lockstep(batch)
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
             with self._phase("scoring"), torch.no_grad(), self._compute_precision():
                 # under a mixed precision the behaviour log-probs are the training forward's, in the update's precision
                 scored, backend_gap = self.scorer.score_rollout(
                     rb, recompute_old=self.recompute_old_logprobs, with_teacher=self.algorithm.needs_teacher,
-                    tis_cap=self.optim_cfg.tis_cap if self.tis_active else None)
+                    tis_cap=self.tis_cap)
                 if self.ref_model is not None:
                     self._place_reference()
                     rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
@@ -224,16 +219,97 @@ class AgentRLModule(L.LightningModule):
             self.model.train(was_training)
         self.iteration = batch.iteration
         self.phase_seconds = {"rollout": t_rollout, "teacher": t_teacher}
-        metrics = factory.rollout_metrics(trajectories, collector)
         # faulted trajectories are left out of the update: this says how many were used
         metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
-        metrics.update(engine_gap_metrics(backend_gap, rb, self.optim_cfg.tis_cap))
+        metrics.update(engine_gap_metrics(backend_gap, rb, self.tis_cap or 0.0))
         # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
         self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=_metric_rule)
-        warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
-                            self.iteration, tis_on=self.tis_active)
+        if not self.asynchronous:  # stale turns part from the trainer by design: the TIS weight corrects them
+            warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
+                                self.iteration, tis_on=self.tis_active)
         return rb
+
+    def _collect_lockstep(self, batch: TaskBatch) -> tuple[list, dict[str, float], float]:
+        """This rank's episodes of ``batch``, played now with the current weights: trajectories, metrics, seconds."""
+        collector = self.collector
+        self._offload_optimizer_states()
+        factory.engine_sync(collector.generator, self.model, self.iterations_done)
+        rank, world = rank_and_world()
+        tasks = batch.tasks
+        if world > 1:  # each rank plays whole groups of its own
+            tasks = tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
+        t0 = time.perf_counter()
+        collector.policy_version = self.iterations_done
+        try:
+            trajectories = collector.collect(tasks, with_teacher=self.algorithm.needs_teacher)
+        except RolloutStopped:
+            raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False) from None
+        factory.engine_sleep(collector.generator)
+        self._restore_optimizer_states()
+        return trajectories, factory.rollout_metrics(trajectories, collector), time.perf_counter() - t0
+
+    @property
+    def asynchronous(self) -> bool:
+        """Rollouts come from a worker running ahead of the update (``rollout.max_staleness`` > 0)."""
+        return self.rollout_cfg.max_staleness > 0
+
+    def _collect_ahead(self, batch: TaskBatch) -> tuple[list, dict[str, float], float]:
+        """This rank's episodes of ``batch`` from the rollout worker (played while earlier updates ran, by weights
+        at most ``rollout.max_staleness`` versions old): trajectories, metrics, and the seconds waited for them."""
+        producer = self._start_producer(batch.iteration)
+        t0 = time.perf_counter()
+        try:
+            got = producer.next_batch(batch.iteration, lambda: self.stop_request.requested)
+        except RolloutWorkerError as err:
+            self._worker_failed(err)
+        if got is None:  # the worker abandoned it for this rank's stop: every rank stops here (a collective)
+            self.stop_request.agreed()
+            raise Preempted(self.stop_request.signal_name or "SIGTERM", batch.iteration, update_done=False)
+        trajectories, metrics = got
+        rank, world = rank_and_world()
+        expected = rank_tasks(batch.tasks, rank, world)
+        if tuple(t.task for t in trajectories) != expected:  # no task lost or repeated between loader and worker
+            raise RuntimeError(f"iteration {batch.iteration}: the rollout worker played other tasks than the loader's")
+        versions = [turn.policy_version for t in trajectories for turn in t.turns]
+        k = self.rollout_cfg.max_staleness
+        check_staleness(batch.iteration, versions, k)
+        metrics = dict(metrics)
+        metrics.update(staleness_metrics(batch.iteration, versions, k))
+        metrics["rollout/episodes_spanning_update"] = spanning_share(
+            [[turn.policy_version for turn in t.turns] for t in trajectories])
+        return trajectories, metrics, time.perf_counter() - t0
+
+    def _start_producer(self, iteration: int) -> AsyncRollout:
+        """The rollout worker, started at the first training rollout from the current weights."""
+        if self._producer is not None:
+            return self._producer
+        if self._sharded:
+            raise ValueError("rollout.max_staleness > 0 needs whole weights to hand to the rollout worker: use "
+                             "trainer=ddp (or one process), or rollout.max_staleness=0 under trainer=fsdp")
+        stream = self.trainer.train_dataloader
+        if not hasattr(stream, "task_function"):
+            raise TypeError("rollout.max_staleness > 0 needs the task stream (agentopsd.data.TaskDataModule) as the "
+                            "training loader: the worker plays iterations ahead of it")
+        import gymnasium as gym
+
+        rank, world = rank_and_world()
+        spec = WorkerSpec(tokenizer=self.tokenizer, env=self.env_cfg, rollout=self.rollout_cfg, seed=self.seed, rank=rank,
+                          world=world, with_teacher=self.algorithm.needs_teacher, task_fn=stream.task_function(),
+                          start=iteration, end=self.num_iterations, max_staleness=self.rollout_cfg.max_staleness,
+                          threads=self.rollout_cfg.worker_threads, parent_pid=os.getpid(), env_spec=gym.spec(self.env_cfg.id))
+        self._producer = AsyncRollout(spec, self.model)
+        return self._producer
+
+    def _worker_failed(self, err: RolloutWorkerError):
+        """A failed rollout worker ends the job with one line: alone by raising it; under several processes at once
+        (the other ranks would wait in their next collective until the process group times out)."""
+        rank, world = rank_and_world()
+        if world > 1:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            self._stop_other_ranks()
+            os._exit(1)
+        raise err
 
     @property
     def mixed_precision(self) -> bool:
@@ -245,7 +321,8 @@ class AgentRLModule(L.LightningModule):
         """The behaviour log-probs are re-scored by the training forward: when the settings ask for it, and always
         under a mixed precision, where the generator's incremental float32 (or autocast) decode is not the
         update's autocast forward and the first ratio would start away from 1."""
-        return self.rollout_cfg.recompute_old_logprobs or self.mixed_precision
+        # stale turns: the ratio is taken against the proximal policy, the weights at the start of this update
+        return self.rollout_cfg.recompute_old_logprobs or self.mixed_precision or self.asynchronous
 
     def _compute_precision(self):
         """The precision the update's forwards run in (Lightning's autocast for a mixed precision): the old
@@ -285,9 +362,14 @@ class AgentRLModule(L.LightningModule):
             launcher.kill(signal.SIGKILL)
 
     @property
+    def tis_cap(self) -> float | None:
+        """The truncated importance weight's cap when it applies, else None
+        (:func:`agentopsd.rollout.scoring.effective_tis_cap`): the engine/trainer mismatch, or stale turns."""
+        return effective_tis_cap(self.optim_cfg, self.rollout_cfg)
+
+    @property
     def tis_active(self) -> bool:
-        """Truncated importance sampling applies (:func:`agentopsd.rollout.scoring.tis_applies`)."""
-        return tis_applies(self.optim_cfg, self.rollout_cfg)
+        return self.tis_cap is not None
 
     def _place_reference(self) -> None:
         """The frozen reference on the policy's device and dtype (it is not a registered submodule, so
@@ -320,6 +402,8 @@ class AgentRLModule(L.LightningModule):
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
         metrics, loss = self.update(batch, batch_idx)
         self.iterations_done = self.iteration + 1
+        if self._producer is not None:  # the worker's turns from now on play the updated weights
+            self._producer.publish(self.model, self.iterations_done)
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
         # "step": the loggers' x axis is completed iterations (not optimizer steps), as in the evaluation rows
         self.log_dict({k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)}, on_step=True,
@@ -460,6 +544,7 @@ class AgentRLModule(L.LightningModule):
         try:
             collector = self.collector
             with self._phase("evaluation"):
+                collector.policy_version = self.iterations_done
                 self._offload_optimizer_states()
                 factory.engine_sync(collector.generator, self.model, self.iterations_done)
                 try:
@@ -486,6 +571,9 @@ class AgentRLModule(L.LightningModule):
         return metrics
 
     def teardown(self, stage: str) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
         if self._collector is not None:
             self._collector.close()
             self._collector = None

@@ -58,6 +58,10 @@ class Turn:
     parse or the action was invalid, else 0. Never part of the outcome reward."""
     state: str
     """The observation the action was taken on: the environment state (GiGPO's anchor state)."""
+    policy_version: int = 0
+    """Weight version that generated this turn: updates done before its weights were published (under
+    ``rollout.max_staleness`` > 0 an episode in flight at an update carries on with the new weights, so its
+    turns' versions can differ). Lockstep rollouts: the iteration's own index."""
 
 
 @dataclass(frozen=True)

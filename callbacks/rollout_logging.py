@@ -30,7 +30,8 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
         turns = []
         for turn in traj.turns:
             entry = {"k": turn.index, "action": turn.parsed_action or turn.action_text, "observation": turn.observation, "reward": turn.reward, "valid": turn.valid,
-                     "informed": turn.teacher_prompt_ids != turn.prompt_ids}  # the teacher view held a skill block on this turn
+                     "informed": turn.teacher_prompt_ids != turn.prompt_ids,  # the teacher view held a skill block on this turn
+                     "policy_version": turn.policy_version}  # the weights that generated it (updates done before them)
             if turn_adv is not None and turn_adv.ndim == 1:
                 entry["advantage"] = float(turn_adv[row])
             if gaps is not None and i < max_samples:

@@ -109,6 +109,8 @@ class _Wave:
     parsed: dict[int, str | None]
     pending: PendingStep | None = None
     """Its env steps, once submitted (an empty submission when every output was a format error)."""
+    version: int = 0
+    """The policy version that generated it (:attr:`Collector.policy_version` at its generate call)."""
 
 
 def split_waves(n: int, waves: int) -> list[list[int]]:
@@ -162,6 +164,7 @@ class Collector:
         env_wrappers: Sequence = (),
         stop_requested: Callable[[], bool] | None = None,
         overlap_waves: int = 1,
+        before_turn: Callable[[], int] | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {max_turns}")
@@ -181,6 +184,11 @@ class Collector:
         self.env_wrappers = tuple(env_wrappers)
         self.stop_requested = stop_requested
         """Checked before every turn: when it holds on any rank, ``collect`` raises RolloutStopped."""
+        self.before_turn = before_turn
+        """Called before every turn's generate calls; returns the policy version from then on (an asynchronous
+        rollout worker loads weights published since the last turn here: episodes in flight carry on with them)."""
+        self.policy_version = 0
+        """The weight version each turn records (:attr:`agentopsd.types.Turn.policy_version`)."""
         self.waves, why_serial = effective_waves(overlap_waves, env_id, num_threads)
         """Generate calls per turn (``rollout.overlap_waves`` when the env and env.num_threads allow it, else 1)."""
         if why_serial:
@@ -286,6 +294,8 @@ class Collector:
                 break
             if not code:
                 break  # nothing is in flight: this rank had nothing to play, which it learnt by settling every wave
+            if self.before_turn is not None:
+                self.policy_version = int(self.before_turn())
             for w, members in enumerate(waves):
                 if in_flight[w] is not None:  # this wave's last steps: its prompts need them now
                     self._settle(in_flight[w], episodes)
@@ -324,7 +334,7 @@ class Collector:
         for i, gen in zip(active, gens):
             parsed[i] = parse_action(gen.text, self.prompts.output_format)
             self.stats.generated_tokens += len(gen.token_ids)
-        return _Wave(active, student, teacher, gens, parsed)
+        return _Wave(active, student, teacher, gens, parsed, version=self.policy_version)
 
     def _submit(self, wave: _Wave, runner: BatchedRunner) -> None:
         """Hand the wave's parsed actions to the runner (format errors do not step the env)."""
@@ -343,7 +353,7 @@ class Collector:
             stepped = wave.pending.result()
             self.stats.env_seconds += wave.pending.seconds
         for i, s_ids, t_ids, gen in zip(wave.active, wave.student, wave.teacher, wave.gens):
-            self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i))
+            self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i), wave.version)
 
     def _plays_on(self, episodes: list[_Episode], waves: list[list[int]], in_flight: list[_Wave | None]) -> bool:
         """Does an episode of this rank play another turn? Settled waves answer at once when one of theirs is
@@ -387,7 +397,7 @@ class Collector:
             ep.skill = self.skill_bank.block(ep.skill_key, ep.task, ep.env_state)  # this turn's situations only
         return self.prompts.build_views(ep.task, ep.history, ep.observation, ep.admissible, skill=ep.skill if with_teacher else "")
 
-    def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res) -> None:
+    def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res, version: int) -> None:
         self.stats.turns += 1
         # the penalty belongs to this turn alone; the outcome reward is set once, at the end (_finish)
         reward, penalty, valid = 0.0, 0.0, False
@@ -421,6 +431,7 @@ class Collector:
                 valid=valid,
                 penalty=penalty,
                 state=ep.env_state,  # a format error does not change the environment's state
+                policy_version=version,
             )
         )
         ep.history.append(history_entry(ep.observation, action, gen.text))

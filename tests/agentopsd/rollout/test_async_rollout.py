@@ -1,0 +1,191 @@
+"""Bounded-staleness asynchronous rollouts (``rollout.max_staleness``): a worker process plays ahead of the update.
+
+In one process (the trainer) with a spawned worker: staleness never passes k, asserted per batch from the
+versions the turns record; the worker really runs ahead (some turns are stale); every task of the loader is
+played once; a failed or killed worker ends the run with one line, never a hang; evaluation uses the
+trainer's current weights. Several processes, a signal and resume: tests/test_async_runs.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+
+from agentopsd.callbacks.credit import CreditCallback
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.credit.algorithms import AgentOPSD
+from agentopsd.data import TaskDataModule, sample_tasks
+from agentopsd.module import AgentRLModule
+from agentopsd.rollout.async_rollout import RolloutWorkerError, SharedWeights, admitted
+from tests.conftest import TOY_ID, WALK_SKILLS
+
+
+def make_module(policy, iterations: int, max_staleness: int) -> AgentRLModule:
+    model, tokenizer = policy
+    return AgentRLModule(
+        copy.deepcopy(model), tokenizer, algorithm=AgentOPSD(),
+        env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=4, output_format="action"),
+        rollout=RolloutConfig(max_new_tokens=6, max_staleness=max_staleness),
+        optim=OptimConfig(lr=1e-3, ppo_epochs=2, num_mini_batches=2, micro_batch_size=4),
+        evaluation=EvalConfig(num_tasks=2),
+        num_iterations=iterations,
+    )
+
+
+class BatchRecorder(L.Callback):
+    """Per iteration: the turns' policy versions, the tasks played, the first ratio's deviation."""
+
+    def __init__(self) -> None:
+        self.versions: dict[int, list[int]] = {}
+        self.tasks: dict[int, tuple] = {}
+        self.metrics: dict[int, dict[str, float]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        it = pl_module.iteration
+        self.versions[it] = [turn.policy_version for t in batch.trajectories for turn in t.turns]
+        self.tasks[it] = tuple(t.task for t in batch.trajectories)
+        self.metrics[it] = dict(pl_module.rollout_metrics)
+
+
+def fit(module: AgentRLModule, iterations: int, *callbacks, stream=None) -> L.Trainer:
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[CreditCallback(), *callbacks])
+    dm = stream or TaskDataModule(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=iterations)
+    trainer.fit(module, datamodule=dm)
+    return trainer
+
+
+def test_admission_control_bounds_staleness():
+    # iteration i may start on version v only when i - v <= k
+    assert admitted(3, 2, 1) and admitted(3, 3, 1) and not admitted(3, 1, 1)
+    assert admitted(0, 0, 1) and admitted(1, 0, 1) and not admitted(2, 0, 1)
+    assert admitted(2, 0, 2) and not admitted(3, 0, 2)
+
+
+def test_shared_weights_hand_over_a_whole_version(tiny_walk_policy):
+    import torch.multiprocessing as mp
+
+    model = copy.deepcopy(tiny_walk_policy[0])
+    shared = SharedWeights(model, mp.get_context("spawn"))
+    reader = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert shared.load_into(reader, 0) == 0  # nothing newer than version 0 published: nothing copied
+    shared.publish(model, 1)
+    assert shared.load_into(reader, 0) == 1
+    for (_, a), (_, b) in zip(model.named_parameters(), reader.named_parameters()):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert shared.load_into(reader, 1) == 1  # same version: the reader keeps what it has
+    assert not torch.equal(next(model.parameters()), next(reader.parameters()))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_staleness_never_exceeds_k_and_the_worker_runs_ahead(tiny_walk_policy, k):
+    iterations = 4
+    module = make_module(tiny_walk_policy, iterations, k)
+    recorder = BatchRecorder()
+    fit(module, iterations, recorder)
+    assert sorted(recorder.versions) == list(range(iterations))
+    stale = []
+    for it, versions in recorder.versions.items():
+        assert versions, it
+        staleness = [it - v for v in versions]
+        assert min(staleness) >= 0 and max(staleness) <= k, (it, versions)  # the bound, from the recorded versions
+        stale.append(max(staleness))
+        m = recorder.metrics[it]
+        assert m["rollout/staleness_max"] == max(staleness)
+        assert sum(m[f"rollout/staleness_share_{s}"] for s in range(k + 1)) == pytest.approx(1.0)
+    # the worker played ahead: iteration 1 started on version 0 before the first update was published
+    assert max(stale) >= 1, recorder.versions
+    # every task of the loader's stream, once, in order: none lost, none repeated
+    for it, tasks in recorder.tasks.items():
+        assert tasks == sample_tasks(TOY_ID, module.trainer.datamodule.num_tasks, 2, 3, it, seed=0)
+    assert module._producer is None  # teardown ended the worker
+
+
+def test_lockstep_turns_record_their_iteration(tiny_walk_policy):
+    module = make_module(tiny_walk_policy, 2, 0)
+    recorder = BatchRecorder()
+    fit(module, 2, recorder)
+    assert recorder.versions[0] and set(recorder.versions[0]) == {0}
+    assert recorder.versions[1] and set(recorder.versions[1]) == {1}
+
+
+def test_stale_turns_are_reweighted_against_the_proximal_policy(tiny_walk_policy):
+    """The old log-probs the update uses are the trainer's own at the start of the update (the first ratio is 1
+    on every iteration), and a truncated importance weight carries the behaviour policy's gap."""
+    module = make_module(tiny_walk_policy, 3, 1)
+    recorder = BatchRecorder()
+
+    class Ratio(L.Callback):
+        devs: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.devs.append(pl_module.first_ratio_dev)
+
+    ratio = Ratio()
+    fit(module, 3, recorder, ratio)
+    assert len(ratio.devs) == 3 and max(ratio.devs) < 1e-4, ratio.devs
+    assert all("rollout/tis_weight_mean" in m for m in recorder.metrics.values())
+    # a stale iteration's behaviour log-probs part from the proximal ones
+    gaps = [m.get("rollout/logprob_diff_mean", 0.0) for it, m in recorder.metrics.items() if m["rollout/staleness_max"] > 0]
+    assert gaps and max(gaps) > 1e-4, recorder.metrics
+
+
+def _tasks_then_crash(crash_at: int, env_id: str, num_tasks: int, tasks_per_batch: int, group_size: int, iteration: int,
+                      seed: int):
+    if iteration >= crash_at:
+        raise ValueError(f"planted failure at iteration {iteration}")
+    return sample_tasks(env_id, num_tasks, tasks_per_batch, group_size, iteration, seed)
+
+
+class CrashingStream(TaskDataModule):
+    def train_dataloader(self):
+        stream = super().train_dataloader()
+        stream.task_function = lambda: functools.partial(_tasks_then_crash, 1, stream.env_id, stream.num_tasks,
+                                                         stream.tasks_per_batch, stream.group_size, seed=stream.seed)
+        return stream
+
+
+def test_a_failing_worker_ends_the_run_with_one_line(tiny_walk_policy):
+    module = make_module(tiny_walk_policy, 3, 1)
+    stream = CrashingStream(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=3)
+    with pytest.raises(RolloutWorkerError) as err:
+        fit(module, 3, stream=stream)
+    message = str(err.value)
+    assert "\n" not in message and "failed at iteration 1" in message and "planted failure" in message
+
+
+class KillWorker(L.Callback):
+    """SIGKILL the worker at the first update: the trainer must notice and stop, not wait forever."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if pl_module.iteration == 0:
+            os.kill(pl_module._producer.process.pid, signal.SIGKILL)
+            pl_module._producer.process.join(10)
+
+
+def test_a_killed_worker_ends_the_run_with_one_line(tiny_walk_policy):
+    module = make_module(tiny_walk_policy, 4, 1)
+    with pytest.raises(RolloutWorkerError) as err:
+        fit(module, 4, KillWorker())
+    message = str(err.value)
+    assert "\n" not in message and "exited with code -9" in message
+
+
+def test_evaluation_uses_the_current_weights(tiny_walk_policy):
+    module = make_module(tiny_walk_policy, 2, 1)
+    fit(module, 2)
+    module.evaluate()
+    # the evaluation's collector runs in this process on the policy itself, tagged with the updates done
+    assert module.collector.generator.model is module.model
+    assert module.collector.policy_version == module.iterations_done == 2
