@@ -145,6 +145,12 @@ class OptimConfig:
     behaviour policy is older weights), capped here, or at 2 when this is 0."""
     logprob_diff_warning: float = 0.05
     """Warn when the mean |engine - trainer| log-prob difference of a rollout passes this (0 = never)."""
+    scale_by_std: bool | None = None
+    """How a group's outcome advantages are scaled, for whichever algorithm runs (TRL's ``scale_rewards``): None
+    keeps the algorithm's own (``algorithm.scale_by_std``, true: the paper's ``(R - mean) / std``); false centres
+    only (``R - mean``, Dr. GRPO's), so a nearly solved group's lone failure weighs less than a half-won group's
+    members instead of as much (GiGPO: ``norm=mean`` at both levels); true divides by the std. The quickstart
+    sets false: dividing by the std made it unlearn after it had solved the task (results/quickstart_seeds)."""
     logits_chunk_tokens: int = 0
     """When > 0, the LM head and its float32 log-softmax (log-probs, entropy) run over this many action positions
     at a time, forward and backward (checkpointed per chunk), instead of all of a micro-batch's at once: about
@@ -218,3 +224,15 @@ class EvalConfig:
             raise ValueError(f"evaluation.num_tasks must be >= 1 or null (the whole list), got {self.num_tasks}")
         if self.sampled_copies < 0:
             raise ValueError(f"evaluation.sampled_copies must be >= 0 (0 = greedy only), got {self.sampled_copies}")
+
+
+def advantage_scaling_overrides(algorithm_fields: object, scale_by_std: bool | None) -> dict[str, object]:
+    """The algorithm settings ``optim.scale_by_std`` stands for: none when it is None; GiGPO's ``norm`` (an algorithm
+    with a ``norm`` field scales both of its levels by it); else the algorithm's own ``scale_by_std``."""
+    if scale_by_std is None:
+        return {}
+    if isinstance(scale_by_std, str) or not isinstance(scale_by_std, bool):
+        raise ValueError(f"optim.scale_by_std must be true, false or null (the algorithm's own), got {scale_by_std!r}")
+    if "norm" in algorithm_fields:
+        return {"norm": "mean_std" if scale_by_std else "mean"}
+    return {"scale_by_std": scale_by_std}

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from agentopsd import distributed
 from agentopsd.balance import balance_rows
-from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig, advantage_scaling_overrides
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
@@ -87,10 +87,12 @@ class AgentRLModule(L.LightningModule):
         applied to the algorithm."""
         from hydra.utils import instantiate
 
+        # optim.scale_by_std: the group scaling the run asks for, whichever algorithm is swapped in
+        scaling = advantage_scaling_overrides(cfg.algorithm, cfg.optim.get("scale_by_std"))
         return cls(
             model,
             tokenizer,
-            algorithm=instantiate(cfg.algorithm, **algorithm_overrides),
+            algorithm=instantiate(cfg.algorithm, **{**scaling, **algorithm_overrides}),
             env=instantiate(cfg.env),
             rollout=instantiate(cfg.rollout),
             optim=instantiate(cfg.optim),

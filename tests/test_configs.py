@@ -230,3 +230,29 @@ def test_a_refused_swap_names_the_experiments_made_for_that_option():
     with pytest.raises(ConfigError) as err:
         check_group_swaps("babyai_tiny", ["env=webshop"], CONF)
     assert "experiment=webshop_tiny" in str(err.value) and "env.max_turns" in str(err.value)
+
+
+# ------------------------------------------------------------------ optim.scale_by_std
+
+
+@pytest.mark.parametrize(("algorithm", "want"), [("agentopsd", {"scale_by_std": False}), ("grpo", {"scale_by_std": False}),
+                                                 ("gigpo", {"norm": "mean"})])
+def test_the_quickstart_centres_group_advantages_for_any_algorithm(algorithm, want, tiny_walk_policy):
+    from agentopsd.module import AgentRLModule
+
+    cfg = _resolve(cfg_for(f"algorithm={algorithm}"))
+    model, tokenizer = tiny_walk_policy
+    algo = AgentRLModule.from_config(cfg, model, tokenizer).algorithm
+    assert {k: getattr(algo, k) for k in want} == want
+    # every other experiment keeps the paper's scaling (divided by the group's std)
+    paper = AgentRLModule.from_config(_resolve(cfg_for("experiment=babyai_tiny", f"algorithm={algorithm}")), model, tokenizer).algorithm
+    assert paper.scale_by_std and getattr(paper, "norm", "mean_std") == "mean_std"
+
+
+def test_scale_by_std_refuses_what_is_not_a_bool():
+    from agentopsd.config import advantage_scaling_overrides
+
+    assert advantage_scaling_overrides({"name": "grpo"}, None) == {}
+    assert advantage_scaling_overrides({"name": "grpo"}, True) == {"scale_by_std": True}
+    with pytest.raises(ValueError, match="optim.scale_by_std must be true, false or null"):
+        advantage_scaling_overrides({"name": "grpo"}, "false")
