@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants must include {BASELINE}: every ratio is against it")
 
     runs: list[Run] = []
+    load_before = os.getloadavg()[0]
     if not args.model_only:
         weights: Path | None = None
         for round_ in range(1, args.rounds + 1):
@@ -393,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
 
     lines = ["# Asynchronous rollouts against lockstep (benchmarks/async_rollout.py)", "",
              f"`{command}` at commit `{commit()}`; {platform.python_version()}, {os.cpu_count()} CPUs, load average "
-             f"{os.getloadavg()[0]:.1f} at the end.", ""]
+             f"{load_before:.1f} before the runs, {os.getloadavg()[0]:.1f} at the end (other processes share the cores "
+             "when it is above what these runs add: about 1 for lockstep, 2 for asynchronous).", ""]
     summary = summarise(runs) if runs else {}
     if summary:
         first, last = steady_window(args.iterations)
