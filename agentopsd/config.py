@@ -90,16 +90,14 @@ class RolloutConfig:
 
 def check_staleness_settings(max_staleness: object, worker_threads: object, backend: str) -> None:
     """``rollout.max_staleness`` an int >= 0 and ``rollout.worker_threads`` an int >= 1 (bools refused: ``true``
-    would read as 1), and no staleness on the vLLM backend (its engine lives in the training process)."""
+    would read as 1). ``backend`` is either: with vLLM the rollout worker runs its own engine
+    (:mod:`agentopsd.rollout.async_rollout`)."""
     if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
         raise ValueError(f"rollout.max_staleness must be an integer >= 0 (0 = lockstep, 1 = one update ahead), "
                          f"got {max_staleness!r}")
     if isinstance(worker_threads, bool) or not isinstance(worker_threads, int) or worker_threads < 1:
         raise ValueError(f"rollout.worker_threads must be an integer >= 1 (torch threads of the rollout worker), "
                          f"got {worker_threads!r}")
-    if max_staleness > 0 and backend == "vllm":
-        raise ValueError("rollout.max_staleness > 0 runs the transformers generator in a worker process; the vLLM "
-                         "backend is lockstep (rollout.max_staleness=0) for now")
 
 
 def check_overlap_waves(waves: object) -> None:

@@ -23,6 +23,13 @@ Partial rollouts carry on with the new weights (tagged per turn) rather than res
 the work already done, and it starves long (often harder) episodes, which an update would restart over and
 over; the decoupled objective corrects each turn from the version that generated it.
 
+The generator: transformers on the worker's policy copy, or (``rollout.backend=vllm``) a vLLM engine colocated
+inside the worker (the engine of :class:`agentopsd.rollout.vllm_backend.VLLMGenerator`, loading ``model.path``).
+Each weight version the worker loads reaches the engine before its next generate
+(:func:`agentopsd.rollout.factory.engine_sync`, named by the version, so a version it holds is not sent twice).
+The engine never sleeps: nothing else runs in the worker that would want its memory. The trainer's evaluation
+keeps its own lockstep collector, and so its own engine, in the trainer's process.
+
 Resume: the queue is not checkpointed; it is regenerated. The tasks of an iteration are a function of
 (seed, iteration) alone (:func:`agentopsd.data.sample_tasks`), so a resumed producer starts at the first
 iteration not yet updated and plays exactly the tasks the stopped run would have played, none lost or
@@ -85,6 +92,14 @@ class WorkerSpec:
     env_spec: object = None
     """The environment's Gymnasium registration (an ``EnvSpec``), registered in the worker when its imports do not
     register it: an environment a user registered in their own script plays in the worker too."""
+    model_path: str | None = None
+    """``model.path``: the folder a vLLM engine in the worker loads (``rollout.backend=vllm``)."""
+    weights_as_loaded: bool = True
+    """The policy still holds ``model_path``'s weights (no warm start changed them): with ``start == 0`` the engine
+    then holds version 0 as loaded; otherwise it is synced before its first generate."""
+    worker_init: Callable[[], object] | None = None
+    """Called first in the worker (picklable: a module-level function). A test seam: e.g. the fake ``vllm``
+    (:func:`agentopsd.rollout.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
 
 
 def rank_tasks(tasks: Sequence[TaskSpec], rank: int, world: int) -> tuple[TaskSpec, ...]:
@@ -150,6 +165,12 @@ class SharedWeights:
 # ------------------------------------------------------------------ the worker process
 
 
+def worker_engine_seed(spec: WorkerSpec) -> int:
+    """The generator's seed in the worker: a vLLM engine there has no process group to add the rank from (it runs
+    alone, world 1), so the rank is added here, as each rank's lockstep engine adds its own."""
+    return spec.seed + spec.rank if getattr(spec.rollout, "backend", "hf") == "vllm" else spec.seed
+
+
 def _parent_gone(spec: WorkerSpec) -> bool:
     """The trainer died (this process was handed to another parent): nobody will read or close it."""
     return os.getppid() != spec.parent_pid
@@ -169,6 +190,8 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
     torch.set_num_threads(spec.threads)
     iteration = spec.start
     try:
+        if spec.worker_init is not None:
+            spec.worker_init()
         import gymnasium as gym
 
         import agentopsd.envs  # noqa: F401  (registers the environments in this process)
@@ -179,18 +202,26 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
 
         policy = copy.deepcopy(shared.model).eval()
         version = shared.load_into(policy, -1)
-
-        def before_turn() -> int:
-            nonlocal version
-            if _parent_gone(spec):
-                raise SystemExit(0)
-            version = shared.load_into(policy, version)
-            return version
-
         prompts = factory.prompt_builder(spec.tokenizer, spec.env)
         sampling, _ = factory.sampling_configs(spec.rollout, prompts.stop_strings)
-        generator = factory.make_generator(policy, spec.tokenizer, spec.env, spec.rollout, seed=spec.seed, model_path=None,
-                                           iterations_done=spec.start)
+        generator = factory.make_generator(policy, spec.tokenizer, spec.env, spec.rollout, seed=worker_engine_seed(spec),
+                                           model_path=spec.model_path, iterations_done=spec.start,
+                                           weights_as_loaded=spec.weights_as_loaded)
+
+        def load_latest() -> int:
+            """The newest published weights into the policy and on into the generator: the version it generates with."""
+            nonlocal version
+            version = shared.load_into(policy, version)
+            # a vLLM engine holds its own copy: the version names its weights, so one it already holds is not re-sent
+            # (and a warm start's or a resume's, unknown to it, is sent before its first generate)
+            factory.engine_sync(generator, policy, step=version)
+            return version
+
+        def before_turn() -> int:
+            if _parent_gone(spec):
+                raise SystemExit(0)
+            return load_latest()
+
         collector = factory.make_collector(spec.env, generator, prompts, sampling, skill_bank=factory.skill_bank(spec.env),
                                            seed=spec.seed + WORKER_SEED_STRIDE * spec.rank, stop_requested=stop.is_set,
                                            overlap_waves=spec.rollout.overlap_waves)
@@ -202,7 +233,7 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
                 if stop.is_set() or _parent_gone(spec):
                     return _unread_is_dropped(out)
                 time.sleep(0.005)
-            version = shared.load_into(policy, version)
+            load_latest()
             tasks = rank_tasks(spec.task_fn(iteration), spec.rank, spec.world)
             # one sampling stream per (seed, rank, iteration): the same draws wherever the worker restarts
             torch.manual_seed((spec.seed * WORKER_SEED_STRIDE + iteration) * 4099 + spec.rank)

@@ -232,15 +232,13 @@ def test_staleness_settings_are_checked_in_one_line_naming_the_fix():
         (dict(max_staleness=1.0), r"rollout.max_staleness must be an integer >= 0"),
         (dict(worker_threads=0), r"rollout.worker_threads must be an integer >= 1"),
         (dict(worker_threads=True), r"rollout.worker_threads must be an integer >= 1"),
-        (dict(backend="vllm", max_staleness=1),
-         r"rollout.max_staleness > 0 runs the transformers generator in a worker process; the vLLM backend is "
-         r"lockstep \(rollout.max_staleness=0\) for now"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message) as err:
             RolloutConfig(**kwargs)
         assert "\n" not in str(err.value)
-    RolloutConfig(backend="vllm", max_staleness=0)  # lockstep vLLM stays allowed
+    RolloutConfig(backend="vllm", max_staleness=0)  # lockstep vLLM
+    assert RolloutConfig(backend="vllm", max_staleness=1).max_staleness == 1  # the worker runs its own engine
 
 
 def test_gap_metrics_read_the_fresh_rows_as_the_engine_and_the_stale_ones_apart(caplog):
