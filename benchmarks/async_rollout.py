@@ -2,7 +2,7 @@
 the bound the cores allow, and a stand-in cost model of the ratio to expect on GPUs.
 
     python benchmarks/async_rollout.py [--iterations 8] [--rounds 1] [--out /tmp/agentopsd-async-bench]
-                                       [--json PATH] [--report PATH]
+                                       [--weights policy-*.pt] [--json PATH] [--report PATH]
     python benchmarks/async_rollout.py --quick          # tiny settings: proves the script runs (seconds a run)
     python benchmarks/async_rollout.py --model-only     # the GPU cost model alone, no training
 
@@ -365,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all variants (medians over rounds)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=Path, default=Path("/tmp/agentopsd-async-bench"), help="the runs' folders")
+    parser.add_argument("--weights", type=Path, default=None,
+                        help="a warm start's policy-*.pt to start every run from (default: the first run trains it)")
     parser.add_argument("--quick", action="store_true", help="tiny settings (2 tasks x 2 copies, 2 warm-start steps)")
     parser.add_argument("--model-only", action="store_true", help="only the GPU cost model: no training runs")
     parser.add_argument("--model-iterations", type=int, default=200)
@@ -381,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     load_before = os.getloadavg()[0]
     if not args.model_only:
-        weights: Path | None = None
+        weights: Path | None = args.weights
+        if weights is not None and not weights.is_file():
+            raise SystemExit(f"--weights {weights}: no such file (a policy-*.pt from a run's warm_start/ folder)")
         for round_ in range(1, args.rounds + 1):
             for variant in args.variants:
                 t0 = time.perf_counter()

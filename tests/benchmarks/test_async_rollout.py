@@ -120,3 +120,9 @@ def test_a_quick_run_times_every_variant(tmp_path):
     # every run after the first loaded the first run's warm start
     assert all("warm_start.weights=" in (tmp_path / "runs" / f"round1-{v}" / ".hydra" / "overrides.yaml").read_text()
                for v in ("lockstep-1t", "async-k1", "async-k2"))
+
+
+def test_a_missing_warm_start_is_refused_before_any_run(bench, tmp_path):
+    with pytest.raises(SystemExit, match="no such file"):
+        bench.main(["--quick", "--iterations", "4", "--weights", str(tmp_path / "policy-none.pt"), "--out", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
