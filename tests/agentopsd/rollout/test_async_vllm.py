@@ -123,3 +123,49 @@ def test_vllm_worker_trains_three_iterations_with_bounded_staleness(tmp_path):
     assert summary["worker_alive_after_teardown"] is False and summary["producer_kept"] is False, summary
 
 
+
+
+@pytest.mark.timeout(300)
+def test_the_module_hands_the_worker_its_model_path_and_a_warm_start(policy_folder, monkeypatch):
+    """Through the module (Lightning, 2 iterations, k=1) with a warm-started policy: the worker's engine loads
+    ``model.path`` and is synced to the policy's own weights before its first generate (``weights_as_loaded``)."""
+    import lightning as L
+
+    from agentopsd import module as module_lib
+    from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+    from agentopsd.credit.algorithms import Algorithm
+    from agentopsd.module import AgentRLModule
+    from agentopsd.rollout import fake_engine
+    from agentopsd.rollout.async_rollout import WorkerSpec
+    from tests.agentopsd.rollout.test_async_rollout import fit
+    from tests.conftest import TOY_ID, WALK_SKILLS
+
+    folder_model, tokenizer, folder = policy_folder
+    warm = moved(folder_model, 0.05, seed=3)  # a warm start moved the policy away from the folder's weights
+    snapshots, turns = {}, []
+
+    class Recorder(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            snapshots[pl_module.iteration] = copy.deepcopy(pl_module.model).eval()
+            turns.extend(turn for t in batch.trajectories for turn in t.turns)
+
+    fake_engine.install(sleep_available=True)  # this process too: the module checks the backend it was given
+    try:
+        monkeypatch.setattr(module_lib, "WorkerSpec", functools.partial(
+            WorkerSpec, worker_init=functools.partial(fake_engine.install, sleep_available=True)))
+        module = AgentRLModule(
+            warm, tokenizer, algorithm=Algorithm(),
+            env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=3, output_format="action"),
+            rollout=RolloutConfig(backend="vllm", max_new_tokens=6, max_staleness=1, recompute_old_logprobs=True,
+                                  vllm={"dtype": "float32"}),
+            optim=OptimConfig(lr=1e-2, ppo_epochs=1, num_mini_batches=1, micro_batch_size=8),
+            evaluation=EvalConfig(num_tasks=2), num_iterations=2, model_path=folder, weights_as_loaded=False)
+        fit(module, 2, Recorder())
+    finally:
+        fake_engine.uninstall()
+    assert module._producer is None
+    assert turns and {turn.policy_version for turn in turns} <= {0, 1}
+    gaps = [turn_gap(snapshots[turn.policy_version], turn) for turn in turns]
+    folder_gaps = [turn_gap(folder_model.eval(), turn) for turn in turns if turn.policy_version == 0]
+    assert max(gaps) < GAP_TOLERANCE, gaps  # the warm-started weights reached the engine before its first generate
+    assert folder_gaps and min(folder_gaps) > MOVED, folder_gaps  # not the folder's, which it loaded
