@@ -86,6 +86,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.backend must be 'hf' or 'vllm', got {self.backend!r}")
         check_overlap_waves(self.overlap_waves)
         check_staleness_settings(self.max_staleness, self.worker_threads, self.backend)
+        if self.max_staleness > 0 and int(dict(self.vllm).get("tensor_parallel_size") or 1) > 1:
+            raise ValueError("rollout.max_staleness > 0 runs one vLLM engine per rollout worker, on its rank's device: "
+                             "set rollout.vllm.tensor_parallel_size=1, or rollout.max_staleness=0")
 
 
 def check_staleness_settings(max_staleness: object, worker_threads: object, backend: str) -> None:

@@ -300,6 +300,7 @@ class AgentRLModule(L.LightningModule):
                           world=world, with_teacher=self.algorithm.needs_teacher, task_fn=stream.task_function(),
                           start=iteration, end=self.num_iterations, max_staleness=self.rollout_cfg.max_staleness,
                           threads=self.rollout_cfg.worker_threads, parent_pid=os.getpid(), env_spec=gym.spec(self.env_cfg.id),
+                          device=str(self.device),  # a GPU rank's worker generates on that rank's GPU
                           # rollout.backend=vllm: the worker runs its own engine on model.path; the evaluation keeps its
                           # lockstep collector here, so this process builds a second engine when it evaluates
                           model_path=self.model_path, weights_as_loaded=self.weights_as_loaded)

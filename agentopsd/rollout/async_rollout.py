@@ -97,6 +97,9 @@ class WorkerSpec:
     weights_as_loaded: bool = True
     """The policy still holds ``model_path``'s weights (no warm start changed them): with ``start == 0`` the engine
     then holds version 0 as loaded; otherwise it is synced before its first generate."""
+    device: str = "cpu"
+    """The trainer's device: on ``cuda:N`` the worker generates on that same GPU (its policy copy, or its vLLM
+    engine), never on another rank's."""
     worker_init: Callable[[], object] | None = None
     """Called first in the worker (picklable: a module-level function). A test seam: e.g. the fake ``vllm``
     (:func:`agentopsd.rollout.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
@@ -171,6 +174,16 @@ def worker_engine_seed(spec: WorkerSpec) -> int:
     return spec.seed + spec.rank if getattr(spec.rollout, "backend", "hf") == "vllm" else spec.seed
 
 
+def worker_device_env(device: str, visible: str | None) -> dict[str, str]:
+    """The environment that shows a worker only its trainer's GPU (``cuda:N``: the N-th of the trainer's visible
+    devices), nothing to change on CPU."""
+    if not device.startswith("cuda"):
+        return {}
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    listed = [d for d in (visible or "").split(",") if d.strip()]
+    return {"CUDA_VISIBLE_DEVICES": listed[index] if listed else str(index)}
+
+
 def _parent_gone(spec: WorkerSpec) -> bool:
     """The trainer died (this process was handed to another parent): nobody will read or close it."""
     return os.getppid() != spec.parent_pid
@@ -188,6 +201,9 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
+    # before anything initialises CUDA: the trainer's GPU is this process's only one, so its engine (which takes
+    # device 0) and its policy land beside the trainer's rank rather than all on GPU 0
+    os.environ.update(worker_device_env(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES")))
     iteration = spec.start
     try:
         if spec.worker_init is not None:
@@ -200,7 +216,7 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
         from agentopsd.rollout import factory
         from agentopsd.rollout.base import SamplingConfig  # noqa: F401  (unpickling sampling configs)
 
-        policy = copy.deepcopy(shared.model).eval()
+        policy = copy.deepcopy(shared.model).to("cuda:0" if spec.device.startswith("cuda") else "cpu").eval()
         version = shared.load_into(policy, -1)
         prompts = factory.prompt_builder(spec.tokenizer, spec.env)
         sampling, _ = factory.sampling_configs(spec.rollout, prompts.stop_strings)

@@ -189,3 +189,18 @@ def test_evaluation_uses_the_current_weights(tiny_walk_policy):
     # the evaluation's collector runs in this process on the policy itself, tagged with the updates done
     assert module.collector.generator.model is module.model
     assert module.collector.policy_version == module.iterations_done == 2
+
+
+def test_a_gpu_worker_sees_only_its_ranks_gpu():
+    from agentopsd.rollout.async_rollout import worker_device_env
+
+    assert worker_device_env("cpu", "0,1") == {}
+    assert worker_device_env("cuda:1", None) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert worker_device_env("cuda:1", "4,5,6") == {"CUDA_VISIBLE_DEVICES": "5"}  # the trainer's own numbering
+    assert worker_device_env("cuda", "3") == {"CUDA_VISIBLE_DEVICES": "3"}
+
+
+def test_tensor_parallel_engines_are_refused_with_staleness():
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        RolloutConfig(backend="vllm", max_staleness=1, vllm={"tensor_parallel_size": 2})
+    RolloutConfig(backend="vllm", max_staleness=0, vllm={"tensor_parallel_size": 2})
