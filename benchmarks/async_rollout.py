@@ -44,12 +44,12 @@ batch's generation time; uniform, seeded), so that k=2 can absorb variance k=1 c
 figures (per training step):
 
 - verl one-step-off (DAPO, Qwen2.5-Math-7B, 2 x 16 H20; https://verl.readthedocs.io/en/latest/advance/one_step_off.html,
-  the table also in github.com/volcengine/verl docs/advance/one_step_off.md): colocated sync, FSDP2: gen 321 s,
+  the same table in the verl repository's own docs): colocated sync, FSDP2: gen 321 s,
   old_log_prob 88 s, update_actor 286 s (step 749 s); Megatron: gen 207 s, old_log_prob 119 s, update_actor 344 s
   (step 699 s). Its asynchronous rows (4 GPUs generate, 12 train): FSDP2 generate_sequences 458 s, old_log_prob
   108 s, update_actor 337 s, step 520 s (total time +23%); Megatron 501 s, 120 s, 347 s, step 566 s (+40%).
   The same page: in DAPO 32B training the rollout takes about 70% of the time.
-- NeMo RL v0.4 (GRPO, Llama 3.1 8B, 16 H100; github.com/NVIDIA-NeMo/RL docs/about/performance-summary.md,
+- NeMo RL v0.4 (GRPO, Llama 3.1 8B, 16 H100; the performance summary of NeMo RL's docs,
   https://docs.nvidia.com/nemo/rl/latest/about/performance-summary.html): on-policy 97.7 s a step, 1-step off
   74.6 s (1.31x); no split of generation and training given.
 - verl fully async (Qwen2.5-7B, 128 GPUs; https://verl.readthedocs.io/en/latest/advance/fully_async.html):
