@@ -30,7 +30,7 @@ from agentopsd.types import RolloutBatch
 
 ROW_MATRICES = ("input_ids", "attention_mask", "action_mask", "old_logprobs", "teacher_input_ids",
                 "teacher_attention_mask", "teacher_action_mask", "student_logprobs", "teacher_logprobs",
-                "ref_logprobs", "is_weights", "advantages")
+                "ref_logprobs", "is_weights", "advantages", "engine_teacher_logprobs")
 """Per-row ``[M, L]`` fields: moved with their row, padded to the receiving batch's width."""
 ROW_VECTORS = ("turn_traj", "turn_index", "turn_valid", "turn_penalties", "turn_state", "turn_advantages")
 """Per-row ``[M]`` fields: moved with their row (``turn_traj`` and ``turn_state`` renumbered)."""

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from agentopsd.credit import grpo_advantages
-from agentopsd.types import RolloutBatch, TaskSpec, Trajectory
+from agentopsd.types import RolloutBatch, TaskSpec, Trajectory, Turn
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,18 @@ class TaskDataModule(L.LightningDataModule):
         return self.stream
 
 
+def engine_teacher_scored(turns: Sequence[Turn]) -> bool:
+    """Did the rollout engine score every turn's teacher view (``rollout.teacher_scoring=worker``)? All or none: a
+    batch half scored by the engine and half not would mix two evidence sources in one group."""
+    scored = [len(t.teacher_logprobs) > 0 for t in turns]
+    if any(scored) and not all(scored):
+        raise ValueError(f"{sum(scored)} of {len(scored)} turns carry engine-scored teacher log-probs: all or none")
+    for t in turns:
+        if t.teacher_logprobs and len(t.teacher_logprobs) != len(t.action_ids):
+            raise ValueError(f"a turn has {len(t.teacher_logprobs)} teacher log-probs for {len(t.action_ids)} action tokens")
+    return bool(scored) and all(scored)
+
+
 def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> RolloutBatch:
     """Trajectories to the tensor batch, one row per turn; faulted trajectories are left out.
 
@@ -148,6 +160,8 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Rol
     t_ids = torch.full((m, t_width), pad_id, dtype=torch.long)
     t_attention = torch.zeros((m, t_width), dtype=torch.long)
     t_action = torch.zeros((m, t_width), dtype=torch.bool)
+    engine_teacher = engine_teacher_scored([turn for _, turn in rows])
+    engine_t_lp = torch.zeros((m, width), dtype=torch.float32) if engine_teacher else None
     for r, (_, turn) in enumerate(rows):
         p, a, tp = len(turn.prompt_ids), len(turn.action_ids), len(turn.teacher_prompt_ids)
         input_ids[r, : p + a] = torch.tensor(turn.prompt_ids + turn.action_ids)
@@ -157,6 +171,8 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Rol
         t_ids[r, : tp + a] = torch.tensor(turn.teacher_prompt_ids + turn.action_ids)
         t_attention[r, : tp + a] = 1
         t_action[r, tp : tp + a] = True
+        if engine_t_lp is not None:
+            engine_t_lp[r, p : p + a] = torch.tensor(turn.teacher_logprobs, dtype=torch.float32)
     success = torch.tensor([float(t.success) for t in kept])
     # the outcome reward alone drives A_seq; shaping penalties stay on their own turns (turn_penalties)
     rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)
@@ -170,6 +186,7 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_id: int) -> Rol
         teacher_input_ids=t_ids,
         teacher_attention_mask=t_attention,
         teacher_action_mask=t_action,
+        engine_teacher_logprobs=engine_t_lp,
         turn_traj=torch.tensor([i for i, _ in rows], dtype=torch.long),
         turn_index=torch.tensor([t.index for _, t in rows], dtype=torch.long),
         turn_valid=torch.tensor([t.valid for _, t in rows], dtype=torch.bool),

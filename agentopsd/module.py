@@ -132,6 +132,9 @@ class AgentRLModule(L.LightningModule):
         self.skill_bank = factory.skill_bank(env)
         if algorithm.needs_teacher and self.skill_bank is None:
             raise ValueError(f"algorithm {algorithm.name} needs a teacher view: set env.skills to a SkillBank name")
+        if rollout.teacher_scoring == "worker" and (algorithm.needs_teacher_logits or algorithm.distill_coef > 0):
+            raise ValueError(f"algorithm {algorithm.name} distils the teacher view into its loss, which needs that view "
+                             "scored at the update: set rollout.teacher_scoring=trainer")
         # the rollout's sampling and the evaluation's (greedy unless rollout.eval_temperature > 0)
         self.sampling, self.eval_sampling = factory.sampling_configs(rollout, self.prompts.stop_strings)
         # A frozen copy of the initial policy, only when the KL penalty is on (it doubles memory). Not a

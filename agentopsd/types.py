@@ -62,6 +62,9 @@ class Turn:
     """Weight version that generated this turn: updates done before its weights were published (under
     ``rollout.max_staleness`` > 0 an episode in flight at an update carries on with the new weights, so its
     turns' versions can differ). Lockstep rollouts: the iteration's own index."""
+    teacher_logprobs: tuple[float, ...] = ()
+    """The teacher view's log-probs of ``action_ids``, scored by the rollout engine right after it generated them,
+    with the same weights (``rollout.teacher_scoring=worker``); empty when the trainer scores the teacher view."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class RolloutBatch:
     # Filled later in the iteration:
     student_logprobs: Tensor | None = None  # [M, L] no-grad recompute under the student view
     teacher_logprobs: Tensor | None = None  # [M, L] teacher view, aligned to the student positions
+    engine_teacher_logprobs: Tensor | None = None  # [M, L] the teacher view scored by the rollout engine (Turn.teacher_logprobs)
     ref_logprobs: Tensor | None = None  # [M, L] frozen reference policy (only when the KL penalty is on)
     is_weights: Tensor | None = None  # [M, L] truncated importance-sampling weights (engine/trainer mismatch; optim.tis_cap)
     turn_advantages: Tensor | None = None  # [M] At_k per turn row (credit callback)

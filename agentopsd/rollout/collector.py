@@ -96,6 +96,8 @@ class CollectorStats:
     """Wall time the collector spent waiting on environments, generating nothing: all of ``env_seconds`` when
     serial; what the overlap did not hide when ``overlap_waves`` > 1 (``env_seconds - env_wait_seconds``
     ran beside generation)."""
+    teacher_seconds: float = 0.0
+    """Wall time the generator spent scoring teacher views (``teacher_in_engine``; 0 when the trainer scores them)."""
 
 
 @dataclass
@@ -111,6 +113,8 @@ class _Wave:
     """Its env steps, once submitted (an empty submission when every output was a format error)."""
     version: int = 0
     """The policy version that generated it (:attr:`Collector.policy_version` at its generate call)."""
+    teacher_logprobs: list | None = None
+    """Per row, the teacher view's log-probs of its action scored by the generating weights (``teacher_in_engine``)."""
 
 
 def split_waves(n: int, waves: int) -> list[list[int]]:
@@ -165,6 +169,7 @@ class Collector:
         stop_requested: Callable[[], bool] | None = None,
         overlap_waves: int = 1,
         before_turn: Callable[[], int] | None = None,
+        teacher_in_engine: bool = False,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"env.max_turns must be >= 1, got {max_turns}")
@@ -189,6 +194,12 @@ class Collector:
         rollout worker loads weights published since the last turn here: episodes in flight carry on with them)."""
         self.policy_version = 0
         """The weight version each turn records (:attr:`agentopsd.types.Turn.policy_version`)."""
+        if teacher_in_engine and not callable(getattr(generator, "score", None)):
+            raise ValueError(f"rollout.teacher_scoring=worker needs a generator that scores prompts ({type(generator).__name__} "
+                             "has no score method): use rollout.backend=hf, or rollout.teacher_scoring=trainer")
+        self.teacher_in_engine = teacher_in_engine
+        """With the teacher view: the generator scores each turn's teacher prompt + action right after generating it,
+        with the same weights (:attr:`agentopsd.types.Turn.teacher_logprobs`)."""
         self.waves, why_serial = effective_waves(overlap_waves, env_id, num_threads)
         """Generate calls per turn (``rollout.overlap_waves`` when the env and env.num_threads allow it, else 1)."""
         if why_serial:
@@ -330,11 +341,17 @@ class Collector:
         t0 = time.perf_counter()
         gens = self.generator.generate(student, sampling)
         self.stats.generate_seconds += time.perf_counter() - t0
+        teacher_lp = None
+        if with_teacher and self.teacher_in_engine:
+            # before before_turn can load newer weights: the teacher view is scored by the version that generated
+            t0 = time.perf_counter()
+            teacher_lp = self.generator.score(teacher, [g.token_ids for g in gens], sampling)
+            self.stats.teacher_seconds += time.perf_counter() - t0
         parsed: dict[int, str | None] = {}
         for i, gen in zip(active, gens):
             parsed[i] = parse_action(gen.text, self.prompts.output_format)
             self.stats.generated_tokens += len(gen.token_ids)
-        return _Wave(active, student, teacher, gens, parsed, version=self.policy_version)
+        return _Wave(active, student, teacher, gens, parsed, version=self.policy_version, teacher_logprobs=teacher_lp)
 
     def _submit(self, wave: _Wave, runner: BatchedRunner) -> None:
         """Hand the wave's parsed actions to the runner (format errors do not step the env)."""
@@ -352,8 +369,9 @@ class Collector:
             self.stats.env_wait_seconds += time.perf_counter() - t0
             stepped = wave.pending.result()
             self.stats.env_seconds += wave.pending.seconds
-        for i, s_ids, t_ids, gen in zip(wave.active, wave.student, wave.teacher, wave.gens):
-            self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i), wave.version)
+        teacher_lp = wave.teacher_logprobs or [()] * len(wave.active)
+        for i, s_ids, t_ids, gen, t_lp in zip(wave.active, wave.student, wave.teacher, wave.gens, teacher_lp):
+            self._record(episodes[i], s_ids, t_ids, gen, wave.parsed[i], stepped.get(i), wave.version, t_lp)
 
     def _plays_on(self, episodes: list[_Episode], waves: list[list[int]], in_flight: list[_Wave | None]) -> bool:
         """Does an episode of this rank play another turn? Settled waves answer at once when one of theirs is
@@ -397,7 +415,8 @@ class Collector:
             ep.skill = self.skill_bank.block(ep.skill_key, ep.task, ep.env_state)  # this turn's situations only
         return self.prompts.build_views(ep.task, ep.history, ep.observation, ep.admissible, skill=ep.skill if with_teacher else "")
 
-    def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res, version: int) -> None:
+    def _record(self, ep: _Episode, s_ids, t_ids, gen, action: str | None, res, version: int,
+                teacher_logprobs: tuple[float, ...] = ()) -> None:
         self.stats.turns += 1
         # the penalty belongs to this turn alone; the outcome reward is set once, at the end (_finish)
         reward, penalty, valid = 0.0, 0.0, False
@@ -432,6 +451,7 @@ class Collector:
                 penalty=penalty,
                 state=ep.env_state,  # a format error does not change the environment's state
                 policy_version=version,
+                teacher_logprobs=tuple(teacher_logprobs),
             )
         )
         ep.history.append(history_entry(ep.observation, action, gen.text))

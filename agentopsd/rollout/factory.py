@@ -58,8 +58,9 @@ def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout:
 
 def make_collector(env: EnvConfig, generator: Generator, prompts: PromptBuilder, sampling: SamplingConfig, *,
                    skill_bank: SkillBank | None, seed: int, stop_requested: Callable[[], bool],
-                   overlap_waves: int) -> Collector:
-    """The lockstep collector over ``env``'s environments, with fault injection when ``env.fault_rate`` is set."""
+                   overlap_waves: int, teacher_in_engine: bool = False) -> Collector:
+    """The lockstep collector over ``env``'s environments, with fault injection when ``env.fault_rate`` is set;
+    ``teacher_in_engine``: the generator also scores each turn's teacher view (``rollout.teacher_scoring=worker``)."""
     wrappers = []
     if env.fault_rate > 0:
         from agentopsd.envs.faults import FaultInjectionWrapper
@@ -81,6 +82,7 @@ def make_collector(env: EnvConfig, generator: Generator, prompts: PromptBuilder,
         env_wrappers=wrappers,
         stop_requested=stop_requested,
         overlap_waves=overlap_waves,
+        teacher_in_engine=teacher_in_engine,
     )
 
 
@@ -136,6 +138,7 @@ def rollout_metrics(trajectories: Sequence[Trajectory], collector: Collector) ->
         "perf/rollout_tokens_per_s": s.generated_tokens / max(s.generate_seconds, 1e-9),
         "perf/env_seconds": s.env_seconds,
         "perf/env_wait_seconds": s.env_wait_seconds,  # the env time no generation ran beside (all of it when serial)
+        "perf/engine_teacher_seconds": s.teacher_seconds,  # teacher views scored by the generator (rollout.teacher_scoring=worker)
         "rollout/history_trimmed": float(collector.prompts.stats["history_trimmed"]),
         "rollout/skill_trimmed": float(collector.prompts.stats.get("skill_trimmed", 0)),
     }

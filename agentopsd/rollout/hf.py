@@ -70,6 +70,18 @@ class HFGenerator:
         """Generate with ``model`` from now on (normally the same object: nothing to copy)."""
         self.model = model
 
+    def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+              sampling: SamplingConfig) -> list[tuple[float, ...]]:
+        """The engine's prompt log-probs: each continuation's tokens after its prompt, under the weights generating
+        now, at ``sampling.scoring_temperature`` (the scale of :attr:`Generation.logprobs`). One rank's own call:
+        not under ``synced_gpus``, whose forwards other ranks would have to join."""
+        if self.synced_gpus:
+            raise RuntimeError("HFGenerator.score runs one rank's forwards alone: not with synced_gpus (FSDP)")
+        from agentopsd.rollout.scoring import continuation_logprobs
+
+        return continuation_logprobs(self.model, prompts, continuations, pad_id=self._pad_id(),
+                                     temperature=sampling.scoring_temperature)
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> list[Generation]:
         """One batched call for all prompts; one :class:`Generation` per prompt, in order."""
         if not prompts:

@@ -522,8 +522,13 @@ class Scorer:
         """A rollout batch's no-grad scores, written into ``rb``: the behaviour log-probs recomputed by the
         trainer's forward when ``recompute_old`` (with truncated importance weights capped at ``tis_cap`` when
         one is given), the student's, and the teacher view's when ``with_teacher``. Returns the tokens scored
-        and, after a recompute, |generator - trainer| at each action token (else None)."""
+        and, after a recompute, |generator - trainer| at each action token (else None).
+
+        When the rollout engine scored the teacher view (``rb.engine_teacher_logprobs``, ``rollout.teacher_scoring=
+        worker``), no teacher forward runs here: the evidence is that engine's teacher minus behaviour log-probs,
+        two views scored by the same weights (the ones that generated each turn)."""
         scored, backend_gap = 0.0, None
+        generated = rb.old_logprobs
         if recompute_old:
             behaviour = rb.old_logprobs
             rb.old_logprobs = self.action_logprobs(rb, "student")
@@ -533,7 +538,9 @@ class Scorer:
             if tis_cap is not None:
                 rb.is_weights = truncated_is_weights(rb.old_logprobs, behaviour, tis_cap) * rb.action_mask
         rb.student_logprobs = rb.old_logprobs
-        if with_teacher:
+        if with_teacher and rb.engine_teacher_logprobs is not None:
+            rb.student_logprobs, rb.teacher_logprobs = generated, rb.engine_teacher_logprobs
+        elif with_teacher:
             rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
             scored += float(rb.teacher_attention_mask.sum())
         return scored, backend_gap
@@ -608,6 +615,43 @@ class Scorer:
             ref_logprobs=zeros if with_reference else None, advantages=zeros,
         )
         return rb, torch.zeros(1, dtype=torch.long, device=self.device)
+
+
+def continuation_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+                          *, pad_id: int, temperature: float) -> list[tuple[float, ...]]:
+    """log softmax(logits / ``temperature``) of each continuation's tokens after its prompt, no gradient: what an
+    inference engine's prompt log-probs give, computed here by the scorer's forward (shared prompt prefixes run once,
+    the LM head only where a continuation token is predicted). One tuple per row, as long as its continuation."""
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts for {len(continuations)} continuations")
+    if not prompts:
+        return []
+    device = next(model.parameters()).device
+    width = max(len(p) + len(c) for p, c in zip(prompts, continuations))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    amask = torch.zeros_like(ids, dtype=torch.bool)
+    for r, (p, c) in enumerate(zip(prompts, continuations)):
+        ids[r, : len(p) + len(c)] = torch.tensor(list(p) + list(c), dtype=torch.long)
+        attn[r, : len(p) + len(c)] = 1
+        amask[r, len(p) : len(p) + len(c)] = True
+    ids, attn, amask = ids.to(device), attn.to(device), amask.to(device)
+    scorer = Scorer(model, pad_id, temperature, micro_batch_size=len(prompts), max_tokens_per_micro_batch=0, device=device)
+    decoder, head = scorer.decoder_and_head(model)
+    pieces = []
+    with torch.no_grad():
+        for sl in token_slices(attn.sum(1).tolist(), SCORING_ROWS_TOKENS):
+            if decoder is not None:
+                pieces.append(scorer.scored_logprobs(ids[sl], attn[sl], amask[sl], decoder, head).float())
+            else:
+                lp, _ = scorer.action_scores(ids[sl], attn[sl], amask[sl], model, entropy=False)
+                pieces.append(lp.float())
+    flat = torch.cat(pieces).cpu().tolist() if pieces else []
+    out, k = [], 0
+    for c in continuations:  # boolean indexing is row-major: each row's continuation tokens in order
+        out.append(tuple(flat[k : k + len(c)]))
+        k += len(c)
+    return out
 
 
 def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: float,
