@@ -9,7 +9,7 @@ The protocol, one producer per rank (each rank plays its own groups, as in locks
 
     trainer (this process)                        worker (spawned)
     AsyncRollout(start=i0)   ---- spawn ------->  a private copy of the policy, the generator, the collector
-    publish(model, v)        ---- shared memory -> loaded between turns: episodes in flight carry on with it
+    publish(model, v)        ---- weights ------>  loaded between turns: episodes in flight carry on with it
     next_batch(i)            <--- queue --------  ("batch", i, trajectories, metrics) | ("error", ...) | ("stopped", i)
     close()                  ---- stop event --->  ends between turns; killed when it does not
 
@@ -22,6 +22,10 @@ in ``[i - k, i]``: staleness is at most k, and each turn records its version
 Partial rollouts carry on with the new weights (tagged per turn) rather than restart: a restart throws away
 the work already done, and it starves long (often harder) episodes, which an update would restart over and
 over; the decoupled objective corrects each turn from the version that generated it.
+
+The weights travel through shared memory, or (``rollout.weight_transport=collective``, the default under
+``rollout.devices``) a broadcast over a private two-member group: :mod:`agentopsd.rollout.weight_transport`.
+Under ``rollout.devices`` the worker runs on a GPU of its own (local rank r on ``rollout.devices[r]``).
 
 The generator: transformers on the worker's policy copy, or (``rollout.backend=vllm``) a vLLM engine colocated
 inside the worker (the engine of :class:`agentopsd.rollout.vllm_backend.VLLMGenerator`, loading ``model.path``).
@@ -49,11 +53,18 @@ import signal
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from agentopsd.rollout.weight_transport import (
+    CollectiveSender,
+    WeightTransferError,
+    check_devices_at_start,
+    published_params,
+    resolve_transport,
+)
 from agentopsd.types import TaskSpec, Trajectory
 
 log = logging.getLogger(__name__)
@@ -99,7 +110,10 @@ class WorkerSpec:
     then holds version 0 as loaded; otherwise it is synced before its first generate."""
     device: str = "cpu"
     """The trainer's device: on ``cuda:N`` the worker generates on that same GPU (its policy copy, or its vLLM
-    engine), never on another rank's."""
+    engine), never on another rank's; unless ``rollout_device`` names its own."""
+    rollout_device: int | None = None
+    """``rollout.devices[local rank]``: the worker's own GPU (an index into the trainer's visible devices); set by
+    :class:`AsyncRollout` at start. None: beside the trainer."""
     worker_init: Callable[[], object] | None = None
     """Called first in the worker (picklable: a module-level function). A test seam: e.g. the fake ``vllm``
     (:func:`agentopsd.rollout.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
@@ -119,11 +133,6 @@ def admitted(iteration: int, version: int, max_staleness: int) -> bool:
     iteration - max_staleness``: then no turn of it can be more than ``max_staleness`` versions old when its
     update (at version ``iteration``) runs."""
     return version >= iteration - max_staleness
-
-
-def published_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The parameters an update changes (trainable ones: under LoRA only the adapters), by name."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 class SharedWeights:
@@ -153,6 +162,13 @@ class SharedWeights:
                 dst[name].copy_(src[name].detach().to("cpu", dst[name].dtype))
             self.version.value = int(version)
 
+    def start(self, device: str) -> None:
+        """The worker's end needs nothing started (the transport interface: see ``CollectiveReceiver.start``)."""
+
+    def available(self) -> int:
+        """The newest version published: what the worker may play with."""
+        return int(self.version.value)
+
     def load_into(self, model: nn.Module, have: int) -> int:
         """Copy the published weights into ``model`` when they are newer than ``have``; the version it holds now."""
         if int(self.version.value) <= have:
@@ -174,12 +190,14 @@ def worker_engine_seed(spec: WorkerSpec) -> int:
     return spec.seed + spec.rank if getattr(spec.rollout, "backend", "hf") == "vllm" else spec.seed
 
 
-def worker_device_env(device: str, visible: str | None) -> dict[str, str]:
-    """The environment that shows a worker only its trainer's GPU (``cuda:N``: the N-th of the trainer's visible
-    devices), nothing to change on CPU."""
+def worker_device_env(device: str, visible: str | None, rollout_device: int | None = None) -> dict[str, str]:
+    """The environment that shows a worker only its GPU: its own ``rollout_device`` when set (``rollout.devices``),
+    else its trainer's (``cuda:N``); each the N-th of the trainer's visible devices. Nothing to change on CPU."""
     if not device.startswith("cuda"):
         return {}
     index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if rollout_device is not None:
+        index = rollout_device
     listed = [d for d in (visible or "").split(",") if d.strip()]
     return {"CUDA_VISIBLE_DEVICES": listed[index] if listed else str(index)}
 
@@ -195,15 +213,17 @@ def _unread_is_dropped(out) -> None:
     out.cancel_join_thread()
 
 
-def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
-    """The worker's loop: admitted iterations in order, each played by the collector and sent whole."""
+def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
+    """The worker's loop: admitted iterations in order, each played by the collector and sent whole. ``shared``: the
+    worker's end of the weight transport (:class:`SharedWeights` or a ``CollectiveReceiver``)."""
     # the trainer owns the stop: it sees the signal, agrees it over the ranks and ends this worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
-    # before anything initialises CUDA: the trainer's GPU is this process's only one, so its engine (which takes
-    # device 0) and its policy land beside the trainer's rank rather than all on GPU 0
-    os.environ.update(worker_device_env(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES")))
+    # before anything initialises CUDA: the trainer's GPU (or, under rollout.devices, this worker's own) is this
+    # process's only one, so its engine (which takes device 0) and its policy land there rather than all on GPU 0
+    os.environ.update(worker_device_env(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES"), spec.rollout_device))
+    device = "cuda:0" if spec.device.startswith("cuda") else "cpu"
     iteration = spec.start
     try:
         if spec.worker_init is not None:
@@ -216,7 +236,8 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
         from agentopsd.rollout import factory
         from agentopsd.rollout.base import SamplingConfig  # noqa: F401  (unpickling sampling configs)
 
-        policy = copy.deepcopy(shared.model).to("cuda:0" if spec.device.startswith("cuda") else "cpu").eval()
+        policy = copy.deepcopy(shared.model).to(device).eval()
+        shared.start(device)  # the collective transport's receiver thread: from now on every publish is received
         version = shared.load_into(policy, -1)
         prompts = factory.prompt_builder(spec.tokenizer, spec.env)
         sampling, _ = factory.sampling_configs(spec.rollout, prompts.stop_strings)
@@ -240,12 +261,13 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
 
         collector = factory.make_collector(spec.env, generator, prompts, sampling, skill_bank=factory.skill_bank(spec.env),
                                            seed=spec.seed + WORKER_SEED_STRIDE * spec.rank, stop_requested=stop.is_set,
-                                           overlap_waves=spec.rollout.overlap_waves)
+                                           overlap_waves=spec.rollout.overlap_waves,
+                                           teacher_in_engine=getattr(spec.rollout, "teacher_scoring", "trainer") == "worker")
         collector.before_turn = before_turn
         from agentopsd.preemption import RolloutStopped
 
         for iteration in range(spec.start, spec.end):
-            while not admitted(iteration, int(shared.version.value), spec.max_staleness):
+            while not admitted(iteration, shared.available(), spec.max_staleness):
                 if stop.is_set() or _parent_gone(spec):
                     return _unread_is_dropped(out)
                 time.sleep(0.005)
@@ -269,6 +291,8 @@ def _worker_main(spec: WorkerSpec, shared: SharedWeights, out, stop) -> None:
     except SystemExit:
         return _unread_is_dropped(out)
     except BaseException as err:  # noqa: BLE001  (every failure reaches the trainer, as one line and a traceback)
+        if _parent_gone(spec):  # nobody will read it (e.g. the weight receiver lost the dead trainer's store)
+            return _unread_is_dropped(out)
         out.put(("error", iteration, f"{type(err).__name__}: {err}", traceback.format_exc()))
         raise SystemExit(1) from None
 
@@ -283,22 +307,46 @@ class AsyncRollout:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
+        rollout = spec.rollout
+        devices = getattr(rollout, "devices", None)
+        self.transport = resolve_transport(getattr(rollout, "weight_transport", "auto"), devices)
+        visible = torch.cuda.device_count() if spec.device.startswith("cuda") else None
+        # every check before any work starts: a wrong device list fails here, not in the worker
+        spec = replace(spec, rollout_device=check_devices_at_start(devices, self.transport, spec.device, spec.rank,
+                                                                   spec.world, visible))
         self.spec = spec
-        self.shared = SharedWeights(model, ctx)
-        self.shared.version.value = spec.start
+        self.shared: SharedWeights | None = None
+        self.sender: CollectiveSender | None = None
+        if self.transport == "collective":
+            self.sender = CollectiveSender(model, spec.start, spec.device, "cuda:0" if spec.device.startswith("cuda") else "cpu")
+            worker_end = self.sender.receiver
+        else:
+            self.shared = SharedWeights(model, ctx)
+            self.shared.version.value = spec.start
+            worker_end = self.shared
         self.queue = ctx.Queue()
         self.stop = ctx.Event()
         self.next_iteration = spec.start
-        self.process = ctx.Process(target=_worker_main, args=(spec, self.shared, self.queue, self.stop),
+        self.process = ctx.Process(target=_worker_main, args=(spec, worker_end, self.queue, self.stop),
                                    name=f"agentopsd-rollout-{spec.rank}", daemon=True)
         self.process.start()
+        if self.sender is not None:
+            self.sender.connect()  # the private group's rendezvous, in a thread: the worker is still starting
         # an exit that skips teardown (an exception, a stop by signal) still ends the worker, before multiprocessing's
         # own exit handler would wait for it (that handler's SIGTERM is one the worker ignores)
         atexit.register(self.close)
 
     def publish(self, model: nn.Module, version: int) -> None:
-        """The weights after ``version`` updates, for the turns played from now on."""
-        self.shared.publish(model, version)
+        """The weights after ``version`` updates, for the turns played from now on. Returns once they are sent, never
+        waiting for the worker's turn. A dead worker is reported by :meth:`next_batch`; a hung transfer raises
+        :class:`RolloutWorkerError`."""
+        if self.sender is None:
+            self.shared.publish(model, version)
+            return
+        try:
+            self.sender.publish(model, version, self.process.is_alive)
+        except WeightTransferError as err:
+            raise RolloutWorkerError(f"rollout worker of rank {self.spec.rank}: {err}") from None
 
     def next_batch(self, iteration: int, stop_requested: Callable[[], bool]) -> tuple[list[Trajectory], dict[str, float]] | None:
         """Iteration ``iteration``'s trajectories and the worker's rollout metrics; None when the worker stopped for a
@@ -331,6 +379,8 @@ class AsyncRollout:
     def close(self) -> None:
         """End the worker: between turns when it can, killed after :data:`CLOSE_SECONDS` otherwise."""
         atexit.unregister(self.close)
+        if self.sender is not None:
+            self.sender.close()  # the receiver thread ends at once; the worker between turns
         self.stop.set()
         deadline = time.monotonic() + CLOSE_SECONDS
         while self.process.is_alive() and time.monotonic() < deadline:
