@@ -49,10 +49,14 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_two_processes_with_rollout_workers_on_unequal_data(tmp_path):
+@pytest.mark.parametrize("transport", ["shared_memory", "collective"])
+def test_two_processes_with_rollout_workers_on_unequal_data(tmp_path, transport):
+    """Each rank's worker gets its weights by ``transport``: under ``collective`` each rank has a private gloo group of
+    two with its own worker, beside the training's default group."""
     out = tmp_path / "async"
     run_watched("experiment=quickstart", "trainer=ddp", *COMMON, *UNEQUAL, "warm_start.steps=4", "warm_start.episodes=40",
                 "data.tasks_per_batch=4", "data.group_size=3", "num_iterations=3", "rollout.max_staleness=1",
+                f"rollout.weight_transport={transport}",
                 "trainer.precision=32-true", "rollout_log.every_n_iterations=1", "report=false", f"output_dir={out}")
     rows = [r for r in metrics_rows(out) if r.get("rollout/iteration")]
     assert [int(float(r["rollout/iteration"])) for r in rows] == [1, 2, 3]

@@ -26,12 +26,12 @@ from agentopsd.rollout.async_rollout import RolloutWorkerError, SharedWeights, a
 from tests.conftest import TOY_ID, WALK_SKILLS
 
 
-def make_module(policy, iterations: int, max_staleness: int) -> AgentRLModule:
+def make_module(policy, iterations: int, max_staleness: int, weight_transport: str = "auto") -> AgentRLModule:
     model, tokenizer = policy
     return AgentRLModule(
         copy.deepcopy(model), tokenizer, algorithm=AgentOPSD(),
         env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=4, output_format="action"),
-        rollout=RolloutConfig(max_new_tokens=6, max_staleness=max_staleness),
+        rollout=RolloutConfig(max_new_tokens=6, max_staleness=max_staleness, weight_transport=weight_transport),
         optim=OptimConfig(lr=1e-3, ppo_epochs=2, num_mini_batches=2, micro_batch_size=4),
         evaluation=EvalConfig(num_tasks=2),
         num_iterations=iterations,
@@ -112,6 +112,34 @@ def test_staleness_never_exceeds_k_and_the_worker_runs_ahead(tiny_walk_policy, k
     assert module._producer is None  # teardown ended the worker
 
 
+class TransportProbe(L.Callback):
+    """Which transport the producer uses, and the versions its worker has received when each update starts."""
+
+    def __init__(self) -> None:
+        self.transport = None
+        self.sent: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        producer = pl_module._producer
+        self.transport = producer.transport
+        self.sent.append(producer.sender.count if producer.sender is not None else -1)
+
+
+@pytest.mark.timeout(90)  # a publish that never reaches the worker would hold iteration 2's admission forever
+def test_the_collective_transport_end_to_end(tiny_walk_policy):
+    """rollout.weight_transport=collective on CPU (gloo): the run trains, every turn is within k of its update, and
+    the worker admits iteration 2 only once version 1 has crossed the broadcast."""
+    iterations, k = 3, 1
+    module = make_module(tiny_walk_policy, iterations, k, "collective")
+    recorder, probe = BatchRecorder(), TransportProbe()
+    fit(module, iterations, recorder, probe)
+    assert probe.transport == "collective" and probe.sent == [0, 1, 2]  # one broadcast per update
+    for it, versions in recorder.versions.items():
+        assert versions and all(0 <= it - v <= k for v in versions), (it, versions)
+    assert min(recorder.versions[2]) >= 1  # version 1 reached the worker through the collective
+    assert module._producer is None
+
+
 def test_lockstep_turns_record_their_iteration(tiny_walk_policy):
     module = make_module(tiny_walk_policy, 2, 0)
     recorder = BatchRecorder()
@@ -174,8 +202,9 @@ class KillWorker(L.Callback):
             pl_module._producer.process.join(10)
 
 
-def test_a_killed_worker_ends_the_run_with_one_line(tiny_walk_policy):
-    module = make_module(tiny_walk_policy, 4, 1)
+@pytest.mark.parametrize("transport", ["shared_memory", "collective"])
+def test_a_killed_worker_ends_the_run_with_one_line(tiny_walk_policy, transport):
+    module = make_module(tiny_walk_policy, 4, 1, transport)
     with pytest.raises(RolloutWorkerError) as err:
         fit(module, 4, KillWorker())
     message = str(err.value)

@@ -183,6 +183,7 @@ def test_a_killed_trainer_ends_its_worker():
     reports = CTX.Queue()
     trainer = CTX.Process(target=_trainer, args=(reports,))  # not a daemon: it spawns its worker
     trainer.start()
+    worker_pid = None
     try:
         worker_pid = reports.get(timeout=2 * WAIT)
         assert _alive(worker_pid)
@@ -195,6 +196,8 @@ def test_a_killed_trainer_ends_its_worker():
     finally:
         trainer.kill()
         trainer.join(WAIT)
+        if worker_pid is not None and _alive(worker_pid):  # when the test fails: no orphan left behind
+            os.kill(worker_pid, signal.SIGKILL)
 
 
 # ------------------------------------------------------------------ settings
