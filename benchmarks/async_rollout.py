@@ -13,7 +13,9 @@ each in its own folder under ``--out``), alternated in rounds so that drift hits
 - ``lockstep-1t``: ``OMP_NUM_THREADS=1`` (each phase on one core: the scaling of each phase 1 -> 2 threads);
 - ``async-k1``: ``OMP_NUM_THREADS=1 rollout.max_staleness=1 rollout.worker_threads=1`` (trainer one thread,
   the rollout worker one thread);
-- ``async-k2``: the same with ``rollout.max_staleness=2``.
+- ``async-k2``: the same with ``rollout.max_staleness=2``;
+- ``async-k1-ws`` and ``async-k2-ws``: the same with ``rollout.teacher_scoring=worker`` (the worker scores each
+  turn's teacher view right after generating it; the trainer then runs only the proximal recompute and the update).
 
 The first run trains the warm start; the others load its ``policy-*.pt`` (``warm_start.weights``), so every run
 starts its RL from the same weights and only RL iterations are timed. Evaluation runs once, before training,
@@ -83,13 +85,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-VARIANTS: dict[str, tuple[int, int, int]] = {
-    "lockstep-2t": (2, 0, 1),
-    "lockstep-1t": (1, 0, 1),
-    "async-k1": (1, 1, 1),
-    "async-k2": (1, 2, 1),
+VARIANTS: dict[str, tuple[int, int, int, str]] = {
+    "lockstep-2t": (2, 0, 1, "trainer"),
+    "lockstep-1t": (1, 0, 1, "trainer"),
+    "async-k1": (1, 1, 1, "trainer"),
+    "async-k2": (1, 2, 1, "trainer"),
+    "async-k1-ws": (1, 1, 1, "worker"),
+    "async-k2-ws": (1, 2, 1, "worker"),
 }
-"""name -> (OMP_NUM_THREADS of the trainer, rollout.max_staleness, rollout.worker_threads)."""
+"""name -> (OMP_NUM_THREADS of the trainer, rollout.max_staleness, rollout.worker_threads, rollout.teacher_scoring)."""
 BASELINE = "lockstep-2t"
 COMMON = ["evaluation.before_training=true", "evaluation.every_n_iterations=0", "evaluation.at_end=false",
           "evaluation.num_tasks=8", "report=false", "trainer.enable_progress_bar=false",
@@ -219,12 +223,13 @@ class Run:
 
 def overrides(variant: str, iterations: int, quick: bool, weights: Path | None) -> tuple[dict[str, str], list[str]]:
     """The environment and the ``train.py`` overrides of one variant."""
-    threads, k, worker_threads = VARIANTS[variant]
+    threads, k, worker_threads, teacher_scoring = VARIANTS[variant]
     env = {k_: v for k_, v in os.environ.items() if k_ not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     env["OMP_NUM_THREADS"] = str(threads)
     args = [f"num_iterations={iterations}", *COMMON, *(QUICK if quick else [])]
     if k:
-        args += [f"rollout.max_staleness={k}", f"rollout.worker_threads={worker_threads}"]
+        args += [f"rollout.max_staleness={k}", f"rollout.worker_threads={worker_threads}",
+                 f"rollout.teacher_scoring={teacher_scoring}"]
     if weights is not None:
         args.append(f"warm_start.weights={weights}")
     return env, args
@@ -330,7 +335,7 @@ def measured_tables(summary: dict[str, dict]) -> list[str]:
                      f"| {one['steady_seconds'] / two['steady_seconds']:.2f}x |")
         b = async_bound(two["phases"], one["phases"])
         w = wall_bound(two["steady_seconds"], one["steady_seconds"], one["phases"]["rollout"])
-        got = {v: base / summary[v]["steady_seconds"] for v in ("async-k1", "async-k2") if v in summary}
+        got = {v: base / s["steady_seconds"] for v, s in summary.items() if VARIANTS[v][1] > 0}
         lines += ["", "| async on 2 cores | ratio vs lockstep-2t |", "|---|---:|",
                   f"| bound from the phases: (R2+S2+U2) / max(R1, S1+U1) | {b:.2f}x |",
                   f"| bound from the wall times: W2 / max(R1, W1-R1) | {w:.2f}x |",

@@ -86,7 +86,8 @@ def test_the_variants_settings(bench):
     env, args = bench.overrides("async-k2", 6, quick=True, weights=Path("/w/policy-x.pt"))
     assert env["OMP_NUM_THREADS"] == "1"
     assert {"rollout.max_staleness=2", "rollout.worker_threads=1", "num_iterations=6", "warm_start.weights=/w/policy-x.pt",
-            "data.tasks_per_batch=2"} <= set(args)
+            "data.tasks_per_batch=2", "rollout.teacher_scoring=trainer"} <= set(args)
+    assert "rollout.teacher_scoring=worker" in bench.overrides("async-k1-ws", 6, quick=True, weights=None)[1]
     env, args = bench.overrides("lockstep-2t", 6, quick=False, weights=None)
     assert env["OMP_NUM_THREADS"] == "2" and not any(a.startswith(("rollout.max_staleness", "warm_start.weights", "data.")) for a in args)
 
@@ -102,24 +103,26 @@ def test_the_cost_model_report_runs_without_training(bench, capsys, tmp_path):
 
 @pytest.mark.slow
 def test_a_quick_run_times_every_variant(tmp_path):
-    """Four tiny quickstart runs, one after another (about a minute on a busy 2-core machine)."""
+    """Four tiny quickstart runs, one after another (about a minute on a busy 2-core machine): the two lockstep ones
+    the bound needs, and k=1 with each teacher scoring (k=2 differs from k=1 by one override, checked above)."""
     import subprocess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "async_rollout.py"), "--quick", "--iterations", "4",
-                          "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json")], cwd=ROOT, env=env,
+                          "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json"),
+                           "--variants", "lockstep-2t", "lockstep-1t", "async-k1", "async-k1-ws"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    for variant in ("lockstep-2t", "lockstep-1t", "async-k1", "async-k2"):
+    for variant in ("lockstep-2t", "lockstep-1t", "async-k1", "async-k1-ws"):
         assert f"| {variant} | " in out.stdout
-    assert "bound from the phases" in out.stdout and "measured, async-k2" in out.stdout
+    assert "bound from the phases" in out.stdout and "measured, async-k1-ws" in out.stdout
     numbers = json.loads((tmp_path / "r.json").read_text())
-    assert [r["variant"] for r in numbers["runs"]] == ["lockstep-2t", "lockstep-1t", "async-k1", "async-k2"]
+    assert [r["variant"] for r in numbers["runs"]] == ["lockstep-2t", "lockstep-1t", "async-k1", "async-k1-ws"]
     summary = numbers["summary"]
     assert summary["async-k1"]["staleness_mean"] > 0 and summary["lockstep-2t"]["staleness_mean"] is None
     # every run after the first loaded the first run's warm start
     assert all("warm_start.weights=" in (tmp_path / "runs" / f"round1-{v}" / ".hydra" / "overrides.yaml").read_text()
-               for v in ("lockstep-1t", "async-k1", "async-k2"))
+               for v in ("lockstep-1t", "async-k1", "async-k1-ws"))
 
 
 def test_a_missing_warm_start_is_refused_before_any_run(bench, tmp_path):
