@@ -265,8 +265,10 @@ class CollectiveReceiver:
         """Receive every version until the sentinel; raises when the trainer or the transfer fails."""
         import torch.distributed as dist
 
-        if self.device.startswith("cuda"):
+        if self.device.startswith("cuda"):  # GPU only: never ran here
             torch.cuda.set_device(self.device)
+            # a stream of its own (the current stream is per thread): receiving never queues behind generation
+            torch.cuda.set_stream(torch.cuda.Stream())
         store = dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=datetime.timedelta(seconds=self.timeout))
         group = private_group(store, 1, self.backend, self.timeout)
         incoming: list[torch.Tensor] | None = None
@@ -310,6 +312,8 @@ class CollectiveReceiver:
             if self._staged_version <= have:
                 return have
             unflatten_into(model, self.layout, self._staged)
+            if self.device.startswith("cuda"):  # the copies done before the receiver may reuse these buffers
+                torch.cuda.current_stream().synchronize()
             return self._staged_version
 
     def ended(self, timeout: float) -> bool:
