@@ -254,6 +254,19 @@ def test_each_local_rank_takes_its_rollout_gpu():
     assert check_devices_at_start(None, "collective", "cpu", 0, 1, None, env={}) is None  # gloo: the tests' path
 
 
+def test_the_producer_refuses_rollout_devices_before_spawning_a_worker():
+    """A CPU trainer with rollout.devices: refused in AsyncRollout's constructor, with no worker started."""
+    from agentopsd.rollout.async_rollout import AsyncRollout, WorkerSpec
+
+    spec = WorkerSpec(tokenizer=None, env=None, rollout=RolloutConfig(max_staleness=1, devices=[1]), seed=0, rank=0,
+                      world=1, with_teacher=False, task_fn=None, start=0, end=1, max_staleness=1, threads=1,
+                      parent_pid=os.getpid(), device="cpu")
+    before = mp.active_children()
+    with pytest.raises(ValueError, match="needs the trainer on CUDA"):
+        AsyncRollout(spec, _model())
+    assert mp.active_children() == before
+
+
 def test_a_worker_with_a_rollout_gpu_sees_only_that_gpu():
     assert worker_device_env("cuda:0", None, 2) == {"CUDA_VISIBLE_DEVICES": "2"}
     assert worker_device_env("cuda:1", "4,5,6,7", 3) == {"CUDA_VISIBLE_DEVICES": "7"}  # the trainer's numbering
