@@ -412,7 +412,10 @@ class AgentRLModule(L.LightningModule):
         metrics, loss = self.update(batch, batch_idx)
         self.iterations_done = self.iteration + 1
         if self._producer is not None:  # the worker's turns from now on play the updated weights
-            self._producer.publish(self.model, self.iterations_done)
+            try:
+                self._producer.publish(self.model, self.iterations_done)
+            except RolloutWorkerError as err:  # a transfer that hung: every rank ends, none waits in a collective
+                self._worker_failed(err)
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
         # "step": the loggers' x axis is completed iterations (not optimizer steps), as in the evaluation rows
         self.log_dict({k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)}, on_step=True,

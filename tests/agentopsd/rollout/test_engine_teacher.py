@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
-from agentopsd.credit.algorithms import AgentOPSD, GRPOOPSD
+from agentopsd.credit.algorithms import GRPOOPSD, AgentOPSD
 from agentopsd.data import collate_trajectories, engine_teacher_scored
 from agentopsd.module import AgentRLModule
 from agentopsd.rollout import factory
