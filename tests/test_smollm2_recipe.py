@@ -1,0 +1,126 @@
+"""``+experiment=smollm2`` (conf/experiment/smollm2.yaml): it composes with the real model and the settings its
+comments argue for, its validation passes without loading any weights, and benchmarks/smollm2_recipe.py reads a
+run's figures right. Seconds: no weights load here (the tokenizer test reads only the prepared folder's tokenizer,
+and skips where the model was never prepared)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.runs import register_resolvers
+from agentopsd.validation import validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+register_resolvers()  # output_dir is ${run_dir:...}
+
+
+def recipe(*overrides: str):
+    """``train.py +experiment=smollm2 overrides`` as train.py composes it (it reads ``+experiment=`` as ``experiment=``)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from agentopsd.train import _accept_plus_experiment
+
+    args = _accept_plus_experiment(["train.py", "+experiment=smollm2", *overrides])[1:]
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="config", overrides=args, return_hydra_config=True)
+    HydraConfig.instance().set_config(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("smollm2_recipe", ROOT / "benchmarks" / "smollm2_recipe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["smollm2_recipe"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_recipe_composes_with_smollm2_lora_on_pickupobj_and_its_settings():
+    cfg = recipe()
+    assert cfg.name == "smollm2"
+    assert cfg.model._target_ == "agentopsd.models.load_policy" and cfg.model.path == "smollm2-135m"
+    assert cfg.model.dtype == "float32"
+    assert dict(cfg.model.lora) == {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+    env = instantiate(cfg.env)
+    assert isinstance(env, EnvConfig) and env.id == "agentopsd/BabyAI-PickupObj-v0"
+    assert env.max_turns == 12 and env.history_window == 0 and not env.show_admissible
+    rollout = instantiate(cfg.rollout)
+    assert isinstance(rollout, RolloutConfig) and rollout.backend == "hf"
+    assert rollout.max_new_tokens == 8 and rollout.temperature == 0.7 and rollout.eval_temperature == 0.0
+    optim = instantiate(cfg.optim)
+    assert isinstance(optim, OptimConfig) and optim.micro_batch_size == 8 and optim.scale_by_std is False
+    evaluation = instantiate(cfg.evaluation)
+    assert isinstance(evaluation, EvalConfig) and evaluation.num_tasks == 20 and evaluation.before_training
+    assert instantiate(cfg.algorithm).name == "agentopsd"
+    assert (cfg.data.tasks_per_batch, cfg.data.group_size) == (4, 4)
+    ws = cfg.warm_start
+    assert dict(ws.habits) == {"pick up": "toggle"} and ws.habit_prob == 0.85 and ws.teacher_fraction == 0.5
+    assert ws.weights is None and ws.steps * ws.batch_size <= ws.episodes * 6  # fewer samples drawn than demo turns
+    assert cfg.trainer.accelerator == "cpu"
+
+
+def test_the_recipe_validates_without_loading_weights(monkeypatch, tmp_path):
+    """validate_config resolves model.path through the prepared-model cache; here that lookup is replaced, so no
+    download and no weights: what is checked is that the recipe asks for the prepared SmolLM2 and passes every check."""
+    from agentopsd import pretrained
+
+    asked: list[str] = []
+
+    def prepared(name: str, **_: object) -> Path:
+        asked.append(name)
+        return tmp_path
+
+    monkeypatch.setattr(pretrained, "prepare", prepared)
+    validate_config(recipe(f"output_dir={tmp_path / 'run'}"))
+    assert asked == ["smollm2-135m"]
+
+
+def test_max_new_tokens_holds_every_babyai_action_in_smollm2s_tokenizer():
+    """The recipe cuts generation at rollout.max_new_tokens: every action's reply must fit, or the longest
+    actions could never be generated whole. Needs only the prepared folder's tokenizer (skips when absent)."""
+    from agentopsd.pretrained import SMOLLM2_135M, is_prepared, prepared_dir
+
+    folder = prepared_dir(SMOLLM2_135M)
+    if not is_prepared(folder):
+        pytest.skip(f"{folder} not prepared (python -m agentopsd.pretrained smollm2-135m)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    actions = ["turn left", "turn right", "go forward", "pick up", "drop", "toggle", "done"]
+    lengths = {a: len(tokenizer.encode(f"<action>{a}</action>", add_special_tokens=False)) for a in actions}
+    assert max(lengths.values()) <= recipe().rollout.max_new_tokens, lengths
+
+
+def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(bench):
+    stamped = [
+        (5.0, "[..][agentopsd.warmstart][INFO] - wrote 1200 demonstration turns to /x/demos.tar in 3.4s"),
+        (200.0, "warm start: 48 steps in 190s, final loss 0.512"),
+        (260.5, "[..][agentopsd.callbacks.evaluation][INFO] - eval (before training, after 0 iterations): success 0.050 on 20 episodes"),
+        (900.0, "[..][agentopsd.callbacks.evaluation][INFO] - eval (end, after 2 iterations): success 0.450 on 20 episodes"),
+    ]
+    parsed = bench.parse_output(stamped)
+    assert (parsed["warm_start_steps"], parsed["warm_start_seconds"], parsed["demos_seconds"]) == (48, 190.0, 3.4)
+    evals = bench.eval_seconds(parsed["evals"], parsed["warm_start_done_at"], {1: 500.0, 2: 840.0})
+    assert [(e["when"], e["iteration"], e["success"], e["seconds"]) for e in evals] == [
+        ("before training", 0, 0.05, 60.5), ("end", 2, 0.45, 60.0)]
+    rows = [{"step": "2.0", "perf/rollout_seconds": "30", "perf/teacher_seconds": "10", "perf/update_seconds": "60",
+             "rollout/turns": "8.5", "rollout/trajectories": "16", "rollout/success": "0.25"},
+            {"step": "0", "eval/success": "0.05"},  # an evaluation row: not an iteration
+            {"step": "1.0", "perf/rollout_seconds": "40", "perf/teacher_seconds": "12", "perf/update_seconds": "70",
+             "rollout/turns": "10", "rollout/trajectories": "16", "rollout/success": "0.125"}]
+    its = bench.csv_iterations(rows)
+    assert [(it.iteration, it.rollout, it.teacher, it.update, it.rows, it.success) for it in its] == [
+        (1, 40.0, 12.0, 70.0, 160.0, 0.125), (2, 30.0, 10.0, 60.0, 136.0, 0.25)]
+    text = bench.markdown(bench.Result("python train.py +experiment=smollm2", "abc", "1", 0, 960.0, 3000.0, 48, 190.0, 3.4,
+                                       evals, its))
+    assert "| all 2 | 296 | 70 (32%) | 22 (10%) | 130 (59%) | 222 | | |" in text
+    assert "48 steps in 190 s (4.0 s a step)" in text and "| end | 2 | 0.45 | 20 | 60.0 |" in text
