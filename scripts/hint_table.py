@@ -32,10 +32,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agentopsd.study.hint_table import SPLITS, ScoredTurn, SplitSummary, summarize  # noqa: E402
+from agentopsd.study.hint_table import SPLITS, ScoredTurn, SplitSummary, in_split, summarize  # noqa: E402
 
 FIELDS = ["label", "model", "stage", "weights", "env", "tasks", "temperature", "split", "turns", "tasks_with_turns",
-          "lp_without", "lp_with", "diff", "diff_low", "diff_high", "share_raised", "commit"]
+          "lp_without", "lp_with", "diff", "diff_low", "diff_high", "share_raised", "rel_diff", "rel_low", "rel_high",
+          "top_without", "top_with", "named_diff", "named_low", "named_high", "named_turns", "commit"]
 PENDING = {"smollm2-135m": "not yet run (needs the smollm2 recipe's warm start)"}
 """Rows the table must show as missing, by model, until an after-warm-start row of that model exists."""
 
@@ -51,10 +52,13 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in old if row_key(r) not in fresh] + list(new)
 
 
-def summary_row(base: dict, s: SplitSummary) -> dict:
+def summary_row(base: dict, s: SplitSummary, named_turns: int) -> dict:
     return {**base, "split": s.split, "turns": s.turns, "tasks_with_turns": s.tasks,
             "lp_without": f"{s.lp_without:.4f}", "lp_with": f"{s.lp_with:.4f}", "diff": f"{s.diff.mean:.4f}",
-            "diff_low": f"{s.diff.low:.4f}", "diff_high": f"{s.diff.high:.4f}", "share_raised": f"{s.share_raised:.3f}"}
+            "diff_low": f"{s.diff.low:.4f}", "diff_high": f"{s.diff.high:.4f}", "share_raised": f"{s.share_raised:.3f}",
+            "rel_diff": f"{s.rel_diff.mean:.4f}", "rel_low": f"{s.rel_diff.low:.4f}", "rel_high": f"{s.rel_diff.high:.4f}",
+            "top_without": f"{s.top_without:.3f}", "top_with": f"{s.top_with:.3f}", "named_diff": f"{s.named_diff.mean:.4f}",
+            "named_low": f"{s.named_diff.low:.4f}", "named_high": f"{s.named_diff.high:.4f}", "named_turns": named_turns}
 
 
 def _num(text: str) -> float:
@@ -64,31 +68,56 @@ def _num(text: str) -> float:
         return math.nan
 
 
+def same_turns(a: dict | None, b: dict | None) -> bool:
+    """Two splits of one policy that hold the same turns (their counts and means agree): one line shows both."""
+    keys = ("turns", "tasks_with_turns", "lp_without", "lp_with", "diff", "rel_diff")
+    return a is not None and b is not None and all(a.get(k) == b.get(k) for k in keys)
+
+
 def markdown(rows: list[dict]) -> str:
-    """table.md: per env, one line per (policy, split), and the pending rows (``PENDING``) still missing."""
+    """table.md: per env, one line per (policy, split), and the pending rows (``PENDING``) still missing. Where a
+    policy's decisive turns are exactly its applies turns (PickupObj: the pick-up wins), one line says both."""
     lines = ["# What the hint does", "",
              "On the expert's states: the expert reply's log-prob (summed over its tokens) without the skill block "
              "(student view) and with it (teacher view), their mean difference with a 95% bootstrap interval "
-             "resampling whole tasks, and the share of turns where the block raised it. `applies`: the block names "
-             "the expert's action; `decisive`: the expert's action wins the episode. Written by "
+             "resampling whole tasks, and the share of turns where the block raised it; then the same difference "
+             "for the expert's log-prob among the env's actions' replies only (log-softmax over the seven "
+             "`<action>a</action>` replies: what is left once a block that makes every reply likelier or "
+             "unlikelier is factored out), and the share of turns where the expert's reply is the likeliest of "
+             "them without and with the block; last, the shift of the log share the actions the block names (quoted) "
+             "hold among the replies, over the split's turns whose block names one: on the `none` turns (the block "
+             "names an action the expert does not take there) a positive shift is the block pulling toward what it "
+             "names whatever the state, i.e. copying, not reading the hint's condition. `applies`: the block names the expert's action; `decisive`: the "
+             "expert's action wins the episode. Written by "
              "`scripts/hint_table.py`; see README.md for the commands and what this can and cannot say.", ""]
-    head = "| model | stage | weights | split | turns (tasks) | log p without | log p with | difference [95% CI] | share raised |"
+    head = ("| model | stage | weights | split | turns (tasks) | log p without | log p with | difference [95% CI] | share raised "
+            "| difference among actions [95% CI] | expert on top: without -> with | named actions' shift [95% CI] |")
     for env in sorted({r["env"] for r in rows}):
         mine = [r for r in rows if r["env"] == env]
         temps = sorted({f"{float(r['temperature']):g}" for r in mine})
         lines += [f"## {env} (temperature {', '.join(temps)}; {', '.join(sorted({r['tasks'] for r in mine}))} training tasks)",
-                  "", head, "|---|---|---|---|---|---|---|---|---|"]
+                  "", head, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        by_split = {(r["label"], r["split"]): r for r in mine}
         for r in mine:
+            twin = {"decisive": "applies", "other": "none"}.get(r["split"])
+            if twin and same_turns(r, by_split.get((r["label"], twin))):
+                continue  # said on the twin's line
+            split = r["split"]
+            if r["split"] in ("applies", "none") and same_turns(r, by_split.get((r["label"], {"applies": "decisive", "none": "other"}[split]))):
+                split += " = decisive" if split == "applies" else " = other"
             if int(r["turns"]) == 0:
-                cells = "0 | - | - | - | -"
+                cells = "0 | - | - | - | - | - | - | -"
             else:
                 cells = (f"{r['turns']} ({r['tasks_with_turns']}) | {_num(r['lp_without']):.3f} | {_num(r['lp_with']):.3f} | "
                          f"{_num(r['diff']):+.3f} [{_num(r['diff_low']):+.3f}, {_num(r['diff_high']):+.3f}] | "
-                         f"{_num(r['share_raised']):.2f}")
-            lines.append(f"| {r['model']} | {r['stage']} | {short_path(r['weights'])} | {r['split']} | {cells} |")
+                         f"{_num(r['share_raised']):.2f} | {_num(r['rel_diff']):+.3f} [{_num(r['rel_low']):+.3f}, "
+                         f"{_num(r['rel_high']):+.3f}] | {_num(r['top_without']):.2f} -> {_num(r['top_with']):.2f} | "
+                         + (f"{_num(r['named_diff']):+.3f} [{_num(r['named_low']):+.3f}, {_num(r['named_high']):+.3f}]"
+                            if int(r.get("named_turns") or 0) else "-"))
+            lines.append(f"| {r['model']} | {r['stage']} | {short_path(r['weights'])} | {split} | {cells} |")
         for model, why in PENDING.items():
             if not any(r["model"] == model and r["stage"] == "after warm start" for r in mine):
-                lines.append(f"| {model} | after warm start | - | all | {why} | | | | |")
+                lines.append(f"| {model} | after warm start | - | all | {why} | | | | | | | |")
         lines.append("")
     return "\n".join(lines)
 
@@ -120,10 +149,11 @@ def write_outputs(out: Path, new: list[dict], turns: list[ScoredTurn], label: st
     with open(out / "turns" / f"{slug}.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["task_index", "turn", "expert", "block", "applies", "decisive", "lp_without", "lp_with", "diff",
-                         "reply_tokens"])
+                         "reply_tokens", "rel_without", "rel_with", "top_without", "top_with", "named_without", "named_with"])
         for t in turns:
             writer.writerow([t.task_index, t.turn, t.expert, int(bool(t.skill)), int(t.applies), int(t.decisive), f"{t.lp_without:.5f}",
-                             f"{t.lp_with:.5f}", f"{t.diff:.5f}", t.reply_tokens])
+                             f"{t.lp_with:.5f}", f"{t.diff:.5f}", t.reply_tokens, f"{t.rel_without:.5f}", f"{t.rel_with:.5f}",
+                             int(t.top_without), int(t.top_with), f"{t.named_without:.5f}", f"{t.named_with:.5f}"])
     return text
 
 
@@ -145,6 +175,8 @@ def main() -> None:
     parser.add_argument("--label", default=None, help="the policy's name in the table (default: model, stage and weights)")
     parser.add_argument("--temperature", type=float, default=1.0,
                         help="log softmax(logits / T); 1 is the model's own distribution (the trainer scores at rollout.temperature)")
+    parser.add_argument("--max-seconds", type=float, default=0.0,
+                        help="stop after the task in progress once this many seconds have passed and write the tasks done (0: no limit)")
     parser.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples over tasks")
     parser.add_argument("--out", type=Path, default=None, help="folder for table.csv, table.md and turns/")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as train.py takes them (model=smollm2-135m, seed=1, ...)")
@@ -188,11 +220,16 @@ def main() -> None:
 
     t0 = time.perf_counter()
     turns: list[ScoredTurn] = []
+    done = 0
     for i in range(args.tasks):
         turns += score_turns(model, tokenizer, builder, expert_turns(env, i, env_cfg.max_turns, bank), pad_id=pad_id,
                              temperature=args.temperature)
-        if (i + 1) % max(1, args.tasks // 10) == 0:
-            print(f"{label}: {i + 1}/{args.tasks} tasks, {len(turns)} turns ({time.perf_counter() - t0:.0f}s)", flush=True)
+        done = i + 1
+        if done % max(1, args.tasks // 10) == 0:
+            print(f"{label}: {done}/{args.tasks} tasks, {len(turns)} turns ({time.perf_counter() - t0:.0f}s)", flush=True)
+        if args.max_seconds and time.perf_counter() - t0 > args.max_seconds and done < args.tasks:
+            print(f"{label}: --max-seconds {args.max_seconds:g} passed after {done} tasks; the table holds those", flush=True)
+            break
     env.close()
     if builder.stats.get("skill_trimmed"):
         print(f"note: {builder.stats['skill_trimmed']} teacher views had their skill block shortened to fit env.max_prompt_tokens")
@@ -202,9 +239,11 @@ def main() -> None:
               "the generator could not emit it whole")
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    base = {"label": label, "model": model_name, "stage": stage, "weights": describe_weights(weights),
-            "env": env_cfg.id.split("/")[-1], "tasks": str(args.tasks), "temperature": f"{args.temperature:g}", "commit": commit}
-    new = [summary_row(base, summarize(turns, split, resamples=args.resamples)) for split in SPLITS]
+    start = "pretrained" if cfg.model.get("path") else f"initial (seed {cfg.seed})"  # before any warm start
+    base = {"label": label, "model": model_name, "stage": stage, "weights": describe_weights(weights) if weights else start,
+            "env": env_cfg.id.split("/")[-1], "tasks": str(done), "temperature": f"{args.temperature:g}", "commit": commit}
+    new = [summary_row(base, summarize(turns, split, resamples=args.resamples),
+                       sum(1 for t in turns if in_split(t, split) and not math.isnan(t.named_diff))) for split in SPLITS]
     text = markdown(new)
     if args.out is not None:
         text = write_outputs(args.out, new, turns, label)

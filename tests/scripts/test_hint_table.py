@@ -27,7 +27,9 @@ def _row(label: str, split: str, diff: str = "0.1", *, model: str = "tiny", stag
          temperature: str = "1", tasks: str = "50") -> dict:
     return {"label": label, "model": model, "stage": stage, "weights": "initial", "env": "BabyAI-PickupObj-v0", "tasks": tasks,
             "temperature": temperature, "split": split, "turns": "10", "tasks_with_turns": "5", "lp_without": "-1.0",
-            "lp_with": "-0.9", "diff": diff, "diff_low": "0.0", "diff_high": "0.2", "share_raised": "0.6", "commit": "abc"}
+            "lp_with": "-0.9", "diff": diff, "diff_low": "0.0", "diff_high": "0.2", "share_raised": "0.6", "rel_diff": "0.05",
+            "rel_low": "0.0", "rel_high": "0.1", "top_without": "0.2", "top_with": "0.4",
+            "named_diff": "0.3", "named_low": "0.2", "named_high": "0.4", "named_turns": "4", "commit": "abc"}
 
 
 def test_a_rerun_replaces_its_policys_rows_and_keeps_the_others(ht) -> None:
@@ -65,3 +67,9 @@ def test_the_script_end_to_end_on_two_tasks(tmp_path) -> None:
     missing = subprocess.run(cmd + ["--weights", str(tmp_path / "nope.pt")], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=300)
     assert missing.returncode != 0 and "no such file" in missing.stderr
+
+
+def test_decisive_turns_that_are_the_applies_turns_share_one_line(ht) -> None:
+    same = ht.markdown([_row("a", "applies"), _row("a", "decisive"), _row("a", "none", diff="0.2"), _row("a", "other", diff="0.3")])
+    assert "| applies = decisive |" in same and "| decisive |" not in same
+    assert "| none |" in same and "| other |" in same  # different turns: a line each

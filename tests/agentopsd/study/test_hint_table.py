@@ -116,6 +116,21 @@ def test_reply_logprobs_equal_a_hand_computation_from_the_logits(tiny) -> None:
         else:
             assert s.lp_with != s.lp_without
         assert s.applies == skill_applies(t.block, t.expert)
+        # among the env's actions' replies: a log-softmax over the seven replies' hand log-probs
+        assert t.expert in t.admissible
+        named = [a for a in t.admissible if skill_applies(t.block, a)]  # what the block quotes (the key: 'pick up')
+        assert bool(named) == bool(t.block)
+        for prompt, rel, top, share in ((views.student, s.rel_without, s.top_without, s.named_without),
+                                        (views.teacher, s.rel_with, s.top_with, s.named_with)):
+            hand = {a: _hand_logprob(model, prompt, tok.encode(f"<action>{a}</action>", add_special_tokens=False))
+                    for a in t.admissible}
+            norm = math.log(sum(math.exp(v) for v in hand.values()))
+            assert rel == pytest.approx(hand[t.expert] - norm, abs=1e-4)
+            assert top == all(hand[t.expert] > v for a, v in hand.items() if a != t.expert)
+            if named:
+                assert share == pytest.approx(math.log(sum(math.exp(hand[a]) for a in named)) - norm, abs=1e-4)
+            else:
+                assert math.isnan(share)
 
 
 def test_scores_at_a_temperature_divide_the_logits(tiny) -> None:
@@ -138,8 +153,11 @@ def test_reply_format_other_than_action_is_refused(tiny) -> None:
 
 
 def _turn(task: int, k: int, lp_without: float, lp_with: float, applies: bool = False, decisive: bool = False) -> ScoredTurn:
+    # the relative log-probs move half as much as the raw ones; the expert is on top with the block where it rose
     return ScoredTurn(task_index=task, turn=k, expert="x", skill="s" if applies else "", applies=applies, decisive=decisive,
-                      lp_without=lp_without, lp_with=lp_with, reply_tokens=3)
+                      lp_without=lp_without, lp_with=lp_with, reply_tokens=3, rel_without=-1.0,
+                      rel_with=-1.0 + (lp_with - lp_without) / 2, top_without=False, top_with=lp_with > lp_without,
+                      named_without=-2.0 if applies or decisive else math.nan, named_with=-1.5 if applies else -2.25)
 
 
 def test_summary_by_hand() -> None:
@@ -150,6 +168,10 @@ def test_summary_by_hand() -> None:
     assert every.diff.mean == pytest.approx((1.0 + 0.0 - 1.0 + 0.5 + 0.0) / 5)
     assert every.lp_without == pytest.approx(-8.0 / 5) and every.lp_with == pytest.approx(-7.5 / 5)
     assert every.share_raised == pytest.approx(2 / 5)  # strictly raised: the equal turns do not count
+    assert every.rel_diff.mean == pytest.approx(every.diff.mean / 2) and every.rel_diff.n == 3
+    assert (every.top_without, every.top_with) == (0.0, pytest.approx(2 / 5))
+    # the named actions' shift: only the turns whose block names one (applies: +0.5 twice; the decisive one: +0.5)
+    assert every.named_diff.n == 2 and every.named_diff.mean == pytest.approx(0.5)
     applies = summarize(turns, "applies", resamples=200)
     assert (applies.turns, applies.tasks, applies.diff.mean, applies.share_raised) == (2, 2, 0.75, 1.0)
     none = summarize(turns, "none", resamples=200)
