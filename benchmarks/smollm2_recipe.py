@@ -18,6 +18,14 @@ One ``train.py`` subprocess (its own process group, so a stop kills nothing else
   include what ran between (the Trainer's setup before the first one, the final checkpoint before the last).
 
 Threads: ``--threads`` sets ``OMP_NUM_THREADS`` for the run (default: as the caller's environment has it).
+
+    python benchmarks/smollm2_recipe.py --micro [--json PATH]
+
+``--micro`` times each phase's unit of work in this process instead, on real PickupObj rows (4 training tasks x 4
+expert turns, SmolLM2's chat template), each twice (the second is reported: the first pays one-off setup): one
+rollout turn (16 prompts, 8 new tokens, KV cache), teacher scoring of the 16 teacher views (shared prefixes once),
+one update micro-batch (8 rows, forward and backward) with LoRA in float32, LoRA under bf16 autocast, and full
+fine-tuning, and one warm-start step (4 samples). A few minutes; the speed-ups are compared there, not in full runs.
 """
 
 from __future__ import annotations
@@ -197,6 +205,119 @@ def markdown(result: Result) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- --micro: each phase's unit of work, timed here
+
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def micro_rows(tokenizer) -> tuple[list[list[int]], list[list[int]], list[list[int]], list[tuple[list[int], list[int]]]]:
+    """Student prompts, teacher prompts and replies of 4 PickupObj training tasks x 4 expert turns (the recipe's
+    prompt settings), and warm-start samples (each student row, every other one also as its teacher view)."""
+    import gymnasium as gym
+
+    import agentopsd.envs  # noqa: F401
+    from agentopsd.rollout.prompts import PromptBuilder
+    from agentopsd.rollout.skills import SkillBank
+    from agentopsd.warmstart import _reply
+
+    builder = PromptBuilder(tokenizer, output_format="action", history_window=0, show_admissible=False,
+                            system_prompt="Act in the grid world.")
+    bank = SkillBank.for_env("babyai", max_general=0)
+    env = gym.make("agentopsd/BabyAI-PickupObj-v0", split="train", disable_env_checker=True)
+    students, teachers, replies = [], [], []
+    for task in range(4):
+        obs, info = env.reset(seed=task, options={"task_index": task})
+        for _ in range(4):
+            views = builder.build_views(info["task"], [], obs, None, bank.block(info["skill_key"], info["task"], obs))
+            action = env.unwrapped.expert_action()
+            students.append(list(views.student))
+            teachers.append(list(views.teacher))
+            replies.append(_reply(tokenizer, action))
+            obs, _, term, trunc, info = env.step(action)
+            if term or trunc:
+                obs, info = env.reset(seed=task + 100, options={"task_index": task})
+    env.close()
+    samples = [(s, r) for s, r in zip(students, replies)] + [(t, r) for t, r in zip(teachers[::2], replies[::2])]
+    return students, teachers, replies, samples
+
+
+def _timed(fn, repeats: int = 2) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(round(time.perf_counter() - t0, 2))
+    return out
+
+
+def _update_step(model, pad_id: int, prompts: list[list[int]], replies: list[list[int]], autocast: bool) -> None:
+    """One update micro-batch's work: the student log-probs at the action tokens with gradient, and a backward."""
+    import contextlib
+
+    import torch
+
+    from agentopsd.rollout.scoring import Scorer
+
+    width = max(len(p) + len(r) for p, r in zip(prompts, replies))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    amask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompts, replies)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        amask[i, len(p) : len(p) + len(r)] = True
+    scorer = Scorer(model, pad_id, 1.0, micro_batch_size=len(prompts), max_tokens_per_micro_batch=0, device=torch.device("cpu"))
+    model.train()
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        lp, _ = scorer.action_scores(ids, attn, amask, entropy=False)
+    (-lp.float().mean()).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def micro(path: str = "smollm2-135m") -> dict[str, object]:
+    """Seconds of each phase's unit of work (see the module's docstring), two repeats each."""
+    import torch
+
+    from agentopsd.models import load_policy
+
+    out: dict[str, object] = {"threads": torch.get_num_threads()}
+    rows = _micro_lora(path, out)  # its model is freed on return: the full model loads next, alone
+    full, tokenizer = load_policy(path)
+    students, _, replies, _ = rows
+    out["update_8_rows_full_fp32"] = _timed(lambda: _update_step(full, tokenizer.pad_token_id, students[:8], replies[:8],
+                                                                 autocast=False))
+    return out
+
+
+def _micro_lora(path: str, out: dict[str, object]) -> tuple:
+    import torch
+
+    from agentopsd.models import load_policy
+    from agentopsd.rollout.base import SamplingConfig
+    from agentopsd.rollout.hf import HFGenerator
+    from agentopsd.rollout.scoring import continuation_logprobs
+    from agentopsd.warmstart import _train
+
+    model, tokenizer = load_policy(path, lora=LORA)
+    pad = tokenizer.pad_token_id
+    rows = micro_rows(tokenizer)
+    students, teachers, replies, samples = rows
+    out["student_tokens_mean"] = sum(map(len, students)) / len(students)
+    out["teacher_tokens_mean"] = sum(map(len, teachers)) / len(teachers)
+    sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, stop_strings=("</action>",), seed=0)
+    generator = HFGenerator(model, tokenizer)
+    model.eval()
+    out["rollout_turn_16_rows"] = _timed(lambda: generator.generate(students, sampling))
+    with torch.no_grad():
+        out["teacher_scoring_16_rows"] = _timed(lambda: continuation_logprobs(model, teachers, replies, pad_id=pad, temperature=1.0))
+    out["update_8_rows_lora_fp32"] = _timed(lambda: _update_step(model, pad, students[:8], replies[:8], autocast=False))
+    out["update_8_rows_lora_bf16_autocast"] = _timed(lambda: _update_step(model, pad, students[:8], replies[:8], autocast=True))
+    out["update_16_rows_lora_fp32"] = _timed(lambda: _update_step(model, pad, students, replies, autocast=False), repeats=1)
+    out["warm_start_2_steps_of_4_lora"] = _timed(lambda: _train(model, tokenizer, samples, steps=2, lr=1e-5, warmup=1,
+                                                                batch_size=4, seconds=1e9, seed=0), repeats=1)
+    return rows
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # under runs/smollm2/: the warm start is cached in runs/smollm2/warm_start, shared with `train.py +experiment=smollm2`
@@ -204,8 +325,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default=None, help="OMP_NUM_THREADS for the run (default: as set here)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown here")
+    parser.add_argument("--micro", action="store_true", help="time each phase's unit of work here (no train.py run)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides after --, e.g. num_iterations=2")
     args = parser.parse_args(argv)
+    if args.micro:
+        figures = micro()
+        print(json.dumps(figures, indent=1))
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"commit": commit(), **figures}, indent=1) + "\n")
+        return 0
     threads = args.threads or os.environ.get("OMP_NUM_THREADS") or "unset"
     if args.out is None:
         args.out = ROOT / "runs" / "smollm2" / time.strftime("bench-%Y-%m-%d_%H-%M-%S", time.gmtime())
