@@ -88,13 +88,14 @@ class RolloutConfig:
     """How each update's weights reach the rollout worker: ``shared_memory`` (a CPU copy, loaded between turns),
     ``collective`` (a broadcast over a private two-process group: NCCL between GPUs, gloo on CPU), or ``auto``
     (``collective`` with ``devices``, ``shared_memory`` otherwise)."""
-    teacher_scoring: str = "trainer"
+    teacher_scoring: str = "auto"
     """Where AgentOPSD's teacher view is scored when ``max_staleness > 0``. ``trainer``: by the trainer, with the
     weights current at the update (as in lockstep). ``worker``: by the rollout worker, right after each turn is
-    generated, with the weights that generated it (the engine's prompt log-probs of the skill-augmented prompt
-    plus the action); the evidence is then that version's teacher minus behaviour log-probs, and the trainer's
-    critical path loses the teacher forward. Credit-only algorithms (AgentOPSD, StepOPSD and the like); those
-    that distil the teacher's log-probs into the loss need them at the update: ``trainer``."""
+    generated, with the weights that generated it (the engine's log-probs of the skill-augmented prompt plus the
+    action); the evidence is then that version's teacher minus behaviour log-probs, and the trainer's critical
+    path loses the teacher forward. ``worker`` suits credit-only algorithms (AgentOPSD, StepOPSD, RLSD); those
+    that distil the teacher view into the loss need it at the update. ``auto``: ``worker`` where it applies
+    (``max_staleness > 0``, ``backend=hf``, an algorithm that does not distil), ``trainer`` elsewhere."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):
@@ -110,11 +111,20 @@ class RolloutConfig:
                              "set rollout.vllm.tensor_parallel_size=1, or rollout.max_staleness=0")
 
 
+def resolve_teacher_scoring(where: str, max_staleness: int, backend: str, distils: bool) -> str:
+    """``rollout.teacher_scoring`` as it runs: ``auto`` is ``worker`` where the worker can score the teacher view for
+    the credit alone (a rollout worker, the transformers backend, an algorithm that does not distil the view into
+    its loss), ``trainer`` elsewhere; ``trainer`` and ``worker`` stand."""
+    if where != "auto":
+        return where
+    return "worker" if max_staleness > 0 and backend == "hf" and not distils else "trainer"
+
+
 def check_teacher_scoring(where: object, max_staleness: int, backend: str) -> None:
     """``rollout.teacher_scoring``: ``trainer`` anywhere; ``worker`` only where a rollout worker exists (``max_staleness
     > 0``) and scores with its transformers policy copy (``rollout.backend=hf``)."""
-    if where not in ("trainer", "worker"):
-        raise ValueError(f"rollout.teacher_scoring must be 'trainer' or 'worker', got {where!r}")
+    if where not in ("auto", "trainer", "worker"):
+        raise ValueError(f"rollout.teacher_scoring must be 'auto', 'trainer' or 'worker', got {where!r}")
     if where == "worker" and max_staleness == 0:
         raise ValueError("rollout.teacher_scoring=worker needs a rollout worker: set rollout.max_staleness >= 1 "
                          "(in lockstep the trainer scores with the very weights that generated)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -26,7 +27,14 @@ from torch import Tensor, nn
 
 from agentopsd import distributed
 from agentopsd.balance import balance_rows
-from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig, advantage_scaling_overrides
+from agentopsd.config import (
+    EnvConfig,
+    EvalConfig,
+    OptimConfig,
+    RolloutConfig,
+    advantage_scaling_overrides,
+    resolve_teacher_scoring,
+)
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
@@ -132,9 +140,12 @@ class AgentRLModule(L.LightningModule):
         self.skill_bank = factory.skill_bank(env)
         if algorithm.needs_teacher and self.skill_bank is None:
             raise ValueError(f"algorithm {algorithm.name} needs a teacher view: set env.skills to a SkillBank name")
-        if rollout.teacher_scoring == "worker" and (algorithm.needs_teacher_logits or algorithm.distill_coef > 0):
+        distils = algorithm.needs_teacher_logits or algorithm.distill_coef > 0
+        if rollout.teacher_scoring == "worker" and distils:
             raise ValueError(f"algorithm {algorithm.name} distils the teacher view into its loss, which needs that view "
-                             "scored at the update: set rollout.teacher_scoring=trainer")
+                             "scored at the update: set rollout.teacher_scoring=trainer (or auto)")
+        self.teacher_scoring = resolve_teacher_scoring(rollout.teacher_scoring, rollout.max_staleness, rollout.backend, distils)
+        """Where the teacher view is scored in this run (``rollout.teacher_scoring`` with ``auto`` resolved)."""
         # the rollout's sampling and the evaluation's (greedy unless rollout.eval_temperature > 0)
         self.sampling, self.eval_sampling = factory.sampling_configs(rollout, self.prompts.stop_strings)
         # A frozen copy of the initial policy, only when the KL penalty is on (it doubles memory). Not a
@@ -299,7 +310,8 @@ class AgentRLModule(L.LightningModule):
         import gymnasium as gym
 
         rank, world = rank_and_world()
-        spec = WorkerSpec(tokenizer=self.tokenizer, env=self.env_cfg, rollout=self.rollout_cfg, seed=self.seed, rank=rank,
+        spec = WorkerSpec(tokenizer=self.tokenizer, env=self.env_cfg, seed=self.seed, rank=rank,
+                          rollout=dataclasses.replace(self.rollout_cfg, teacher_scoring=self.teacher_scoring),
                           world=world, with_teacher=self.algorithm.needs_teacher, task_fn=stream.task_function(),
                           start=iteration, end=self.num_iterations, max_staleness=self.rollout_cfg.max_staleness,
                           threads=self.rollout_cfg.worker_threads, parent_pid=os.getpid(), env_spec=gym.spec(self.env_cfg.id),

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
+from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig, resolve_teacher_scoring
 from agentopsd.credit.algorithms import GRPOOPSD, AgentOPSD
 from agentopsd.data import collate_trajectories, engine_teacher_scored
 from agentopsd.module import AgentRLModule
@@ -138,11 +138,31 @@ def test_a_batch_is_scored_all_by_the_engine_or_all_by_the_trainer(tiny_walk_pol
 @pytest.mark.parametrize("kwargs, message", [
     ({"teacher_scoring": "worker"}, "needs a rollout worker"),
     ({"teacher_scoring": "worker", "max_staleness": 1, "backend": "vllm"}, "rollout.backend=hf"),
-    ({"teacher_scoring": "engine", "max_staleness": 1}, "must be 'trainer' or 'worker'"),
+    ({"teacher_scoring": "engine", "max_staleness": 1}, "must be 'auto', 'trainer' or 'worker'"),
 ])
 def test_the_settings_refuse_what_cannot_hold(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutConfig(**kwargs)
+
+
+def test_auto_scores_in_the_worker_only_where_it_applies():
+    assert resolve_teacher_scoring("auto", 1, "hf", distils=False) == "worker"
+    assert resolve_teacher_scoring("auto", 0, "hf", distils=False) == "trainer"  # lockstep: no worker
+    assert resolve_teacher_scoring("auto", 2, "vllm", distils=False) == "trainer"  # the engine has no scorer here
+    assert resolve_teacher_scoring("auto", 1, "hf", distils=True) == "trainer"  # the loss needs the update's view
+    assert resolve_teacher_scoring("trainer", 1, "hf", distils=False) == "trainer"
+    assert RolloutConfig().teacher_scoring == "auto"
+
+
+def test_the_module_resolves_auto_and_hands_the_worker_its_choice(tiny_walk_policy):
+    model, tokenizer = tiny_walk_policy
+    env = EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=4, output_format="action")
+    common = dict(env=env, optim=OptimConfig(), evaluation=EvalConfig(num_tasks=2), num_iterations=1)
+    ahead = AgentRLModule(model, tokenizer, algorithm=AgentOPSD(), rollout=RolloutConfig(max_staleness=1), **common)
+    assert ahead.teacher_scoring == "worker"
+    distilling = AgentRLModule(model, tokenizer, algorithm=GRPOOPSD(), rollout=RolloutConfig(max_staleness=1), **common)
+    assert distilling.teacher_scoring == "trainer"
+    assert AgentRLModule(model, tokenizer, algorithm=AgentOPSD(), rollout=RolloutConfig(), **common).teacher_scoring == "trainer"
 
 
 def test_an_algorithm_distilling_the_teacher_into_its_loss_refuses_worker_scoring(tiny_walk_policy):
@@ -164,3 +184,23 @@ def test_a_generator_without_prompt_scoring_is_refused_in_one_line(tiny_walk_pol
 
     with pytest.raises(ValueError, match="has no score method"):
         Collector(TOY_ID, NoScore(), PromptBuilder(tokenizer, output_format="action"), SAMPLING, teacher_in_engine=True)
+
+
+def test_a_run_one_update_ahead_takes_its_teacher_view_from_the_worker_by_default(tiny_walk_policy):
+    import lightning as L
+
+    from tests.agentopsd.rollout.test_async_rollout import fit, make_module
+
+    seen = []
+
+    class Seen(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen.append((batch.engine_teacher_logprobs, batch.teacher_logprobs, batch.student_logprobs, batch.action_mask))
+
+    module = make_module(tiny_walk_policy, iterations=2, max_staleness=1)  # rollout.teacher_scoring left at auto
+    assert module.teacher_scoring == "worker"
+    fit(module, 2, Seen())
+    assert len(seen) == 2
+    for engine, teacher, student, mask in seen:
+        assert engine is not None and torch.equal(teacher, engine)
+        assert teacher[mask].ne(student[mask]).any()  # the two views differ: a real teacher view, not a copy
