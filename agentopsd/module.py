@@ -238,13 +238,21 @@ class AgentRLModule(L.LightningModule):
         # faulted trajectories are left out of the update: this says how many were used
         metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
-        metrics.update(engine_gap_metrics(backend_gap, rb, self.tis_cap or 0.0))
+        metrics.update(engine_gap_metrics(backend_gap, rb, self.tis_cap or 0.0, self._row_staleness(trajectories, batch.iteration)))
         # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
         self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=_metric_rule)
-        if not self.asynchronous:  # stale turns part from the trainer by design: the TIS weight corrects them
-            warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
-                                self.iteration, tis_on=self.tis_active)
+        # asynchronous: the fresh turns' gap alone (a stale turn's is mostly the weights' drift, which the TIS corrects)
+        warn_on_logprob_gap(self.rollout_metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
+                            self.iteration, tis_on=self.tis_active)
         return rb
+
+    def _row_staleness(self, trajectories: list, iteration: int) -> Tensor | None:
+        """Per row of the collated batch (the turns of the unfaulted trajectories, in order), the updates between its
+        generating weights and this update; None in lockstep, where every row is fresh."""
+        if not self.asynchronous:
+            return None
+        return torch.tensor([iteration - turn.policy_version for t in trajectories if t.fault is None and t.turns
+                             for turn in t.turns], dtype=torch.long)
 
     def _collect_lockstep(self, batch: TaskBatch) -> tuple[list, dict[str, float], float]:
         """This rank's episodes of ``batch``, played now with the current weights: trajectories, metrics, seconds."""
