@@ -102,13 +102,28 @@ def parse_output(stamped: list[tuple[float, str]]) -> dict:
     return out
 
 
-def eval_seconds(evals: list[dict], warm_done_at: float | None, iteration_ends: dict[int, float]) -> list[dict]:
-    """Each evaluation with ``seconds``: from the event before it (the warm start's end for the first, the end of
-    the iteration it follows otherwise, both in seconds since the start) to its own line; None where unknown."""
+def eval_seconds(evals: list[dict], warm_done_at: float | None, iteration_ends: dict[int, float],
+                 phases: dict[int, float]) -> list[dict]:
+    """Each evaluation with ``seconds`` (None where unknown), all times in seconds since the start.
+
+    Before training: from the warm start's end to its line (the Trainer's setup included). Periodic, after
+    iteration i: it runs at i's end, before i's rollout shard is written, so it is i's span (the shard before to
+    i's shard) less i's phases (``phases[i]``: rollout + teacher + update). At the end: after the last shard, so
+    from that shard to its line (the final checkpoint included)."""
     out = []
+    before = next((e["at"] for e in evals if e["iteration"] == 0), warm_done_at)
+    last = max(iteration_ends) if iteration_ends else None
     for e in evals:
-        before = warm_done_at if e["iteration"] == 0 else iteration_ends.get(e["iteration"])
-        out.append({**e, "seconds": None if before is None else round(e["at"] - before, 1)})
+        i, seconds = e["iteration"], None
+        if i == 0:
+            seconds = None if warm_done_at is None else e["at"] - warm_done_at
+        elif e["when"] == "periodic":
+            start = iteration_ends.get(i - 1) if i > 1 else before
+            if start is not None and i in iteration_ends and i in phases:
+                seconds = iteration_ends[i] - start - phases[i]
+        elif last is not None:
+            seconds = e["at"] - iteration_ends[last]
+        out.append({**e, "seconds": None if seconds is None else round(seconds, 1)})
     return out
 
 
@@ -341,12 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     code, wall, rss, stamped, started_unix = run(args.overrides, args.out, args.threads)
     parsed = parse_output(stamped)
     ends = shard_ends(args.out, started_unix)
+    iterations = csv_iterations(read_csv(args.out))
     result = Result(command="python train.py +experiment=smollm2 " + shlex.join(args.overrides), commit=commit(),
                     threads=threads, returncode=code, wall_seconds=wall, peak_rss_mib=rss,
                     warm_start_steps=parsed.get("warm_start_steps"), warm_start_seconds=parsed.get("warm_start_seconds"),
                     demos_seconds=parsed.get("demos_seconds"),
-                    evals=eval_seconds(parsed["evals"], parsed.get("warm_start_done_at"), ends),
-                    iterations=csv_iterations(read_csv(args.out)))
+                    evals=eval_seconds(parsed["evals"], parsed.get("warm_start_done_at"), ends,
+                                       {it.iteration: it.total for it in iterations}),
+                    iterations=iterations)
     text = markdown(result)
     print("\n" + text)
     if args.json:

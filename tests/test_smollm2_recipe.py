@@ -105,13 +105,15 @@ def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(bench)
         (5.0, "[..][agentopsd.warmstart][INFO] - wrote 1200 demonstration turns to /x/demos.tar in 3.4s"),
         (200.0, "warm start: 48 steps in 190s, final loss 0.512"),
         (260.5, "[..][agentopsd.callbacks.evaluation][INFO] - eval (before training, after 0 iterations): success 0.050 on 20 episodes"),
+        (700.0, "[..][agentopsd.callbacks.evaluation][INFO] - eval (periodic, after 1 iteration): success 0.100 on 20 episodes"),
         (900.0, "[..][agentopsd.callbacks.evaluation][INFO] - eval (end, after 2 iterations): success 0.450 on 20 episodes"),
     ]
     parsed = bench.parse_output(stamped)
     assert (parsed["warm_start_steps"], parsed["warm_start_seconds"], parsed["demos_seconds"]) == (48, 190.0, 3.4)
-    evals = bench.eval_seconds(parsed["evals"], parsed["warm_start_done_at"], {1: 500.0, 2: 840.0})
+    # iteration 1: 260.5 -> its shard at 710 holds 400 s of phases and the periodic evaluation (written after it)
+    evals = bench.eval_seconds(parsed["evals"], parsed["warm_start_done_at"], {1: 710.0, 2: 840.0}, {1: 400.0, 2: 120.0})
     assert [(e["when"], e["iteration"], e["success"], e["seconds"]) for e in evals] == [
-        ("before training", 0, 0.05, 60.5), ("end", 2, 0.45, 60.0)]
+        ("before training", 0, 0.05, 60.5), ("periodic", 1, 0.1, 49.5), ("end", 2, 0.45, 60.0)]
     rows = [{"step": "2.0", "perf/rollout_seconds": "30", "perf/teacher_seconds": "10", "perf/update_seconds": "60",
              "rollout/turns": "8.5", "rollout/trajectories": "16", "rollout/success": "0.25"},
             {"step": "0", "eval/success": "0.05"},  # an evaluation row: not an iteration
@@ -124,3 +126,4 @@ def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(bench)
                                        evals, its))
     assert "| all 2 | 296 | 70 (32%) | 22 (10%) | 130 (59%) | 222 | | |" in text
     assert "48 steps in 190 s (4.0 s a step)" in text and "| end | 2 | 0.45 | 20 | 60.0 |" in text
+    assert "| periodic | 1 | 0.10 | 20 | 49.5 |" in text
