@@ -239,6 +239,9 @@ def main() -> None:
               "the generator could not emit it whole")
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    mine = ["scripts/hint_table.py", "agentopsd/study/hint_table.py"]  # this table's own code, edited but not committed
+    if subprocess.run(["git", "status", "--porcelain", "--", *mine], cwd=ROOT, capture_output=True, text=True).stdout.strip():
+        commit += "+dirty"
     start = "pretrained" if cfg.model.get("path") else f"initial (seed {cfg.seed})"  # before any warm start
     base = {"label": label, "model": model_name, "stage": stage, "weights": describe_weights(weights) if weights else start,
             "env": env_cfg.id.split("/")[-1], "tasks": str(done), "temperature": f"{args.temperature:g}", "commit": commit}
