@@ -64,6 +64,7 @@ from agentopsd.rollout.weight_transport import (
     check_devices_at_start,
     published_params,
     resolve_transport,
+    shared_copy,
 )
 from agentopsd.types import TaskSpec, Trajectory
 
@@ -144,11 +145,7 @@ class SharedWeights:
     """
 
     def __init__(self, model: nn.Module, context) -> None:
-        self.model = copy.deepcopy(model).cpu().requires_grad_(False)
-        for p in self.model.parameters():
-            p.share_memory_()
-        for b in self.model.buffers():
-            b.share_memory_()
+        self.model = shared_copy(model)
         self.names = [n for n, _ in published_params(model)]
         self.version = context.Value("q", 0, lock=False)
         self.lock = context.Lock()
