@@ -212,6 +212,13 @@ class OptimConfig:
     tokens (:mod:`agentopsd.balance`; trajectories kept whole where that balances): the update runs as many
     micro-batches on every rank as on the busiest one. The gradient does not depend on where a row lives; which
     rows share a mini-batch does. Costs one or two gathers per update. No effect on one process."""
+    skip_zero_advantage: bool = False
+    """Rows whose every action token has advantage 0 (a group all won or all lost, GRPO's zero-signal groups) run
+    no forward or backward in the update: their clipped policy loss is exactly 0, and the mini-batch's normaliser
+    still counts their tokens, so the gradient is the same (up to summation order) for less work. A mini-batch left
+    with no row makes no optimizer step (AdamW's momentum does not keep moving the policy on a zero gradient). Needs
+    a loss that is 0 where the advantage is: no KL penalty, entropy bonus or distillation term. The ``loss/*``
+    metrics then cover the rows that ran."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -39,7 +39,7 @@ from agentopsd.credit.algorithms import Algorithm
 from agentopsd.data import TaskBatch, collate_trajectories
 from agentopsd.distributed import rank_and_world, reduce_metrics, shard_groups, shard_items
 from agentopsd.evaluation import eval_task_list, pooled_metrics
-from agentopsd.objective import micro_batch_loss
+from agentopsd.objective import micro_batch_loss, signal_rows
 from agentopsd.offload import offload_optimizer_states, restore_optimizer_states
 from agentopsd.oom import out_of_memory_ends_the_job
 from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
@@ -144,6 +144,9 @@ class AgentRLModule(L.LightningModule):
         if rollout.teacher_scoring == "worker" and distils:
             raise ValueError(f"algorithm {algorithm.name} distils the teacher view into its loss, which needs that view "
                              "scored at the update: set rollout.teacher_scoring=trainer (or auto)")
+        if optim.skip_zero_advantage and (distils or algorithm.kl_coef > 0 or algorithm.entropy_coef > 0):
+            raise ValueError(f"optim.skip_zero_advantage needs a loss that is 0 where the advantage is, but algorithm {algorithm.name} "
+                             "has a KL penalty, an entropy bonus or a distillation term: set optim.skip_zero_advantage=false")
         self.teacher_scoring = resolve_teacher_scoring(rollout.teacher_scoring, rollout.max_staleness, rollout.backend, distils)
         """Where the teacher view is scored in this run (``rollout.teacher_scoring`` with ``auto`` resolved)."""
         # the rollout's sampling and the evaluation's (greedy unless rollout.eval_temperature > 0)
@@ -480,16 +483,22 @@ class AgentRLModule(L.LightningModule):
         stats_log: dict[str, list[float]] = {}
         losses = []
         first = True
+        self.first_ratio_dev = 0.0 if cfg.skip_zero_advantage else self.first_ratio_dev  # a first mini-batch may run no row
+        skipped = 0
         for _ in range(cfg.ppo_epochs):
             perm = torch.randperm(batch.num_rows, generator=gen).to(self.device)
             # tensor_split always gives num_mini_batches pieces, so every rank steps the optimizer alike
             for mb in torch.tensor_split(perm, cfg.num_mini_batches):
                 opt.zero_grad(set_to_none=True)
+                local = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
+                if cfg.skip_zero_advantage:  # after the count: the skipped rows' tokens stay in the normaliser
+                    kept = mb[signal_rows(batch.advantages[mb], batch.action_mask[mb])]
+                    skipped += len(mb) - len(kept)
+                    mb = kept
                 # rows sharing a prompt prefix side by side, so a micro-batch runs each shared prefix once
                 # (gradient accumulation: the split does not change the summed gradient)
                 # (a token budget then orders them by length, a stable sort that keeps equal lengths side by side)
                 micros = self.scorer.micro_batches(mb[sharing_order(batch.input_ids[mb], batch.attention_mask[mb])], batch.attention_mask)
-                local = float(batch.action_mask[mb].sum()) if algo.aggregation == "token-mean" else float(len(mb))
                 # one agreement per mini-batch: its micro-batch count (a backward each: DDP all-reduces,
                 # FSDP gathers and reduce-scatters) and its token count over every rank
                 counts = distributed.exchange([len(micros), local], "update/micro-batches") if world > 1 else [[len(micros), local]]
@@ -515,6 +524,8 @@ class AgentRLModule(L.LightningModule):
                 self._optimizer_step(opt, sched, stats_log)
         metrics = {f"loss/{k}": sum(v) / len(v) for k, v in stats_log.items()}
         metrics["loss/first_ratio_dev"] = self.first_ratio_dev
+        if cfg.skip_zero_advantage:  # the share of rows (over the PPO epochs) that ran no forward: advantage 0
+            metrics["update/zero_advantage_share"] = skipped / max(1, batch.num_rows * cfg.ppo_epochs)
         metrics["rollout/iteration"] = float(self.iteration + 1)  # numbered like every log: iterations completed by this update
         metrics["loss/lr"] = float(opt.param_groups[0]["lr"])
         self.phase_seconds["update"] = time.perf_counter() - t0

@@ -52,3 +52,9 @@ def micro_batch_loss(algo: Algorithm, optim: OptimConfig, scorer: Scorer, batch:
         stats["entropy"] = mean_entropy.detach()
     ratio = torch.exp(lp.detach() - old)[mask]
     return loss, stats, float((ratio - 1).abs().max()) if ratio.numel() else 0.0
+
+
+def signal_rows(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Positions of the rows with a nonzero advantage on at least one action token: the others' clipped policy
+    loss is exactly 0 (``-min(r A, clip(r) A)`` with ``A = 0``), whatever their ratio (``optim.skip_zero_advantage``)."""
+    return ((advantages != 0) & mask.bool()).any(-1).nonzero(as_tuple=True)[0]

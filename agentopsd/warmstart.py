@@ -37,6 +37,7 @@ import webdataset as wds
 
 from agentopsd.credit.losses import token_logprobs
 from agentopsd.rollout.prompts import HistoryEntry, PromptBuilder
+from agentopsd.rollout.scoring import checkpointing, decoder_and_head, hidden_at, whole_model_action_logits
 from agentopsd.rollout.skills import SkillBank
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,28 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
     return stats
 
 
+def reply_nll(model, ids: torch.Tensor, attn: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-probability of the reply tokens (``target``) of right-padded rows, with gradient.
+
+    The loss reads only the few reply positions, so the LM head runs there only (a 49k-vocabulary head over every
+    prompt position was about a fifth of a SmolLM2 step's forward, and its logits the largest tensor), and the
+    decoder runs as the update's forward does (:func:`~agentopsd.rollout.scoring.hidden_at`): a prompt prefix the
+    batch's rows share (the system prompt) once, the rows' own parts packed by length instead of padded to the
+    longest. The same value and gradient as the whole model's logits at every position, up to float rounding.
+    """
+    source = torch.zeros_like(target)
+    source[:, :-1] = target[:, 1:]  # position j-1 predicts reply token j
+    pair = decoder_and_head(model)
+    if pair is None:
+        logits = whole_model_action_logits(model, ids, attn, source)
+    else:
+        decoder, head = pair
+        hidden = (decoder(input_ids=ids, attention_mask=attn).last_hidden_state[source] if checkpointing(decoder)
+                  else hidden_at(decoder, ids, attn, source))
+        logits = head(hidden)
+    return -token_logprobs(logits, ids[:, 1:][target[:, 1:]]).mean()
+
+
 def _train(model, tokenizer, encoded: list[tuple[list[int], list[int]]], *, steps: int, lr: float, warmup: int, batch_size: int,
            seconds: float, seed: int) -> tuple[int, list[float], float]:
     """Supervised steps on ``(prompt, reply)`` pairs (loss on the reply tokens), cosine lr after a linear warmup;
@@ -253,9 +276,7 @@ def _train(model, tokenizer, encoded: list[tuple[list[int], list[int]]], *, step
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * step / steps))
         ids, attn, target = _pack(tokenizer, [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=gen).tolist()])
-        lp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
-        mask = target[:, 1:]
-        loss = -(lp * mask).sum() / mask.sum()
+        loss = reply_nll(model, ids, attn, target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,13 +1,14 @@
 """One PPO update on fixed rows, under 1 process or 2 (DDP or FSDP2, gloo): writes each rank's reduced
 gradient, loss and updated weights, so a test can compare them (tests/test_distributed_numbers.py).
 
-    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp,fsdp-deferred}
+    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp,fsdp-deferred}[+skip]
 
 The 7 rows (unequal prompt and action lengths, advantages of both signs) are split unequally in the
 2-process runs: rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 2 (1 micro-batch, then dummy
 passes); under DDP the update first balances the ranks' tokens (``optim.balance_tokens``: rows move between
 them), under FSDP2 it does not (the deferred-reduction count needs the dummy passes); the entropy bonus and the
-KL penalty are on.
+KL penalty are on. With ``+skip``: no KL or entropy (``optim.skip_zero_advantage`` refuses them), rows 2, 5
+and 6 hold advantage 0 and skip the update's forward, so rank 1 of a 2-process FSDP2 run has no row to run.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ ENV = "agentopsd/BabyAI-GoToLocal-v0"
 ROWS = {1: [list(range(7))], 2: [[0, 1, 2, 3, 4], [5, 6]]}
 LENGTHS = [(9, 3), (14, 2), (6, 4), (11, 3), (8, 1), (16, 2), (5, 3)]  # (prompt, action) tokens per row
 ADVANTAGES = [1.0, -0.5, 0.8, -1.2, 0.3, 1.5, -0.7]
+ZERO_ROWS = (2, 5, 6)
+"""Rows whose advantage is 0 in the ``+skip`` modes."""
 
 
-def fixed_rows(rows: list[int], vocab: int, device: torch.device) -> RolloutBatch:
+def fixed_rows(rows: list[int], vocab: int, device: torch.device, zero: tuple[int, ...] = ()) -> RolloutBatch:
     gen = torch.Generator().manual_seed(0)
     all_ids = [torch.randint(3, vocab, (p + a,), generator=gen) for p, a in LENGTHS]
     width = max(p + a for p, a in LENGTHS)
@@ -49,7 +52,7 @@ def fixed_rows(rows: list[int], vocab: int, device: torch.device) -> RolloutBatc
     for r, i in enumerate(rows):
         p, a = LENGTHS[i]
         ids[r, : p + a], attn[r, : p + a], amask[r, p : p + a] = all_ids[i], 1, True
-        adv[r, p : p + a] = ADVANTAGES[i]
+        adv[r, p : p + a] = 0.0 if i in zero else ADVANTAGES[i]
     zeros_m = torch.zeros(m)
     rb = RolloutBatch(
         input_ids=ids, attention_mask=attn, action_mask=amask, old_logprobs=torch.zeros(m, width),
@@ -71,7 +74,8 @@ class FixedRowsModule(AgentRLModule):
 
     def rollout(self, batch):
         rank, world = rank_and_world()
-        rb = fixed_rows(ROWS[world][rank], self.model.config.vocab_size, self.device)
+        rb = fixed_rows(ROWS[world][rank], self.model.config.vocab_size, self.device,
+                        ZERO_ROWS if self.optim_cfg.skip_zero_advantage else ())
         with torch.no_grad():
             rb.old_logprobs = self.action_logprobs(rb, "student")
             rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model) - 0.05 * rb.action_mask
@@ -124,15 +128,18 @@ def count_reductions() -> None:
 def main(out: Path, mode: str) -> None:
     from agentopsd.tiny import tiny_policy
 
+    mode, _, extra = mode.partition("+")
+    skip = extra == "skip"
+
     count_reductions()
     torch.manual_seed(0)
     model, tokenizer = tiny_policy(ENV, vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
                                    text_episodes=4, cache_dir=str(out / "tok"))
-    algo = Algorithm(kl_coef=0.05, entropy_coef=0.01)
+    algo = Algorithm() if skip else Algorithm(kl_coef=0.05, entropy_coef=0.01)
     module = FixedRowsModule(
         out, model, tokenizer, algorithm=algo, env=EnvConfig(id=ENV), rollout=RolloutConfig(),
         optim=OptimConfig(lr=1e-3, ppo_epochs=1, num_mini_batches=1, micro_batch_size=2,
-                          defer_grad_reduction=mode == "fsdp-deferred", balance_tokens=mode == "ddp"),
+                          defer_grad_reduction=mode == "fsdp-deferred", balance_tokens=mode == "ddp", skip_zero_advantage=skip),
         evaluation=EvalConfig(num_tasks=1), num_iterations=1,
     )
     strategy = {"single": "auto", "ddp": "ddp"}.get(mode)

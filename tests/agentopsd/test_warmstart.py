@@ -147,3 +147,37 @@ def test_on_policy_teacher_samples_need_a_skill_file(tmp_path, keydoor_policy) -
     with pytest.raises(ValueError, match="on_policy_episodes"):
         warm_start(model, tok, env, ws, tmp_path)
     assert not list(tmp_path.iterdir())  # refused before any demonstration was written
+
+
+def test_reply_loss_equals_the_whole_models_loss_and_gradient(keydoor_policy) -> None:
+    """The warm start's loss with the LM head at the reply positions only and shared prefixes run once equals
+    the loss over the whole model's logits, and so does its gradient (rows of unequal length sharing a prompt)."""
+    import torch
+
+    from agentopsd.credit.losses import token_logprobs
+    from agentopsd.warmstart import _pack, _reply, reply_nll
+
+    model, tok = keydoor_policy
+    b = _builder(tok)
+    rows = [(b.build("pick up the red box", [], obs, None), _reply(tok, a))
+            for obs, a in [("You see: no objects.", "turn left"), ("You see: a red box right in front of you.", "pick up"),
+                           ("You see: a wall.", "go forward"), ("You see: no objects.", "done")]]
+    ids, attn, target = _pack(tok, rows)
+    assert len({len(p) + len(a) for p, a in rows}) > 1  # unequal lengths: padding is in play
+    model.train()
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    lp = token_logprobs(model(input_ids=ids, attention_mask=attn).logits[:, :-1], ids[:, 1:])
+    mask = target[:, 1:]
+    plain = -(lp * mask).sum() / mask.sum()
+    want = grads(plain)
+    fast = reply_nll(model, ids, attn, target)
+    got = grads(fast)
+    assert abs(float(fast) - float(plain)) < 1e-5
+    assert want.keys() == got.keys() and any(g.abs().max() > 0 for g in want.values())
+    for k, g in want.items():
+        torch.testing.assert_close(got[k], g, atol=1e-6, rtol=1e-4, msg=k)
