@@ -155,8 +155,17 @@ def lend_warm_start(run_dir: Path, seed: int, runs_root: Path, repeat: int = 0, 
             target.mkdir(parents=True, exist_ok=True)
             for cached in other.iterdir():
                 if cached.is_file():
-                    shutil.copy(cached, target / cached.name)
+                    _link_or_copy(cached, target / cached.name)
             return
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link where the filesystem allows (a real model's warm start is hundreds of MB, and no run writes
+    into a lent file: a run that trains its own writes a new one), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy(src, dst)
 
 
 def run_one(algorithm: str, seed: int, out: Path, code: Path, commit: str, iterations: int, extra: list[str],

@@ -169,6 +169,8 @@ def test_repeats_train_their_own_warm_start_and_lend_only_within_a_repeat(qs, tm
     (runs / "agentopsd-s0-r1" / "warm_start" / "policy-r1.pt").write_text("w")
     qs.run_one("grpo", 0, tmp_path, tmp_path, "abc", 16, [], repeat=1, command_line="cmd")
     assert [p.name for p in (runs / "grpo-s0-r1" / "warm_start").iterdir()] == ["policy-r1.pt"]
+    # lent as a hard link, not a copy (a real model's warm start is hundreds of MB)
+    assert (runs / "grpo-s0-r1" / "warm_start" / "policy-r1.pt").samefile(runs / "agentopsd-s0-r1" / "warm_start" / "policy-r1.pt")
     # a repeat of seed 1 never borrows from seed 10's
     (runs / "agentopsd-s10-r1" / "warm_start").mkdir(parents=True)
     (runs / "agentopsd-s10-r1" / "warm_start" / "policy-s10.pt").write_text("w")
