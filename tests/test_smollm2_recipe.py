@@ -44,27 +44,29 @@ def bench():
     return module
 
 
-def test_the_recipe_composes_with_smollm2_lora_on_pickupobj_and_its_settings():
+def test_the_recipe_composes_with_smollm2_lora_on_pickupobj_s5_and_its_settings():
     cfg = recipe()
     assert cfg.name == "smollm2"
     assert cfg.model._target_ == "agentopsd.models.load_policy" and cfg.model.path == "smollm2-135m"
     assert cfg.model.dtype == "float32"
     assert dict(cfg.model.lora) == {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
     env = instantiate(cfg.env)
-    assert isinstance(env, EnvConfig) and env.id == "agentopsd/BabyAI-PickupObj-v0"
-    assert env.max_turns == 12 and env.history_window == 0 and not env.show_admissible
+    assert isinstance(env, EnvConfig) and env.id == "agentopsd/BabyAI-PickupObjS5-v0"
+    assert env.max_turns == 8 and env.history_window == 0 and not env.show_admissible
     rollout = instantiate(cfg.rollout)
     assert isinstance(rollout, RolloutConfig) and rollout.backend == "hf"
     assert rollout.max_new_tokens == 8 and rollout.temperature == 0.7 and rollout.eval_temperature == 0.0
     optim = instantiate(cfg.optim)
     assert isinstance(optim, OptimConfig) and optim.micro_batch_size == 8 and optim.scale_by_std is False
+    assert optim.lr == 1e-4 and optim.skip_zero_advantage
     evaluation = instantiate(cfg.evaluation)
-    assert isinstance(evaluation, EvalConfig) and evaluation.num_tasks == 20 and evaluation.before_training
+    assert isinstance(evaluation, EvalConfig) and evaluation.num_tasks == 50 and evaluation.before_training
+    assert evaluation.every_n_iterations == 2 and cfg.num_iterations == 6
     assert instantiate(cfg.algorithm).name == "agentopsd"
-    assert (cfg.data.tasks_per_batch, cfg.data.group_size) == (4, 4)
+    assert (cfg.data.tasks_per_batch, cfg.data.group_size) == (6, 4)
     ws = cfg.warm_start
     assert dict(ws.habits) == {"pick up": "toggle"} and ws.habit_prob == 0.85 and ws.teacher_fraction == 0.5
-    assert ws.weights is None and ws.steps * ws.batch_size <= ws.episodes * 6  # fewer samples drawn than demo turns
+    assert ws.weights is None and ws.steps * ws.batch_size <= ws.episodes * 4  # fewer samples drawn than demo turns
     assert cfg.trainer.accelerator == "cpu"
 
 
