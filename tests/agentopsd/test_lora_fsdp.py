@@ -148,7 +148,8 @@ SCRIPT = textwrap.dedent('''
         print(f"LORA-FSDP-FAIL rank {rank}: " + " | ".join(failures), flush=True)
         raise SystemExit(1)
     print(f"LORA-FSDP-OK rank {rank}", flush=True)
-    dist.destroy_process_group()
+    from tests.torchrun_exit import leave
+    leave()  # not a normal exit: see tests/torchrun_exit.py
 ''')
 
 

@@ -105,7 +105,8 @@ FSDP_SCRIPT = textwrap.dedent('''
     for a, b in zip(model.parameters(), control.parameters(), strict=True):
         assert torch.equal(a.to_local(), b.to_local())
     print(f"OFFLOAD-OK rank {rank}: {len(states)} DTensor states, {moved} bytes", flush=True)
-    dist.destroy_process_group()
+    from tests.torchrun_exit import leave
+    leave()  # not a normal exit: see tests/torchrun_exit.py
 ''')
 
 

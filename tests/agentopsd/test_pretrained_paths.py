@@ -145,7 +145,8 @@ FSDP_SCRIPT = textwrap.dedent('''
         print(f"SMOLLM2-FSDP-FAIL rank {rank}: " + " | ".join(failures), flush=True)
         raise SystemExit(1)
     print(f"SMOLLM2-FSDP-OK rank {rank}", flush=True)
-    dist.destroy_process_group()
+    from tests.torchrun_exit import leave
+    leave()  # not a normal exit: see tests/torchrun_exit.py
 ''')
 
 
