@@ -24,12 +24,15 @@ two ranks issue on unequal data.
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import math
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -211,6 +214,44 @@ def timeout_message(err: BaseException) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (f"error: rank {rank} of {world} gave up waiting in a collective (last agreement entered: {last_collective()}): "
             f"another rank stopped, crashed or issued a different sequence of forwards ({first[:200]})")
+
+
+# ------------------------------------------------------------------ leaving the process
+
+
+def exit_code(code: object) -> int:
+    """``sys.exit``'s argument as the process's exit status: None is 0, an int itself, anything else
+    (a message) is printed to stderr and gives 1, as the interpreter would."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def exit_process(code: object = 0) -> NoReturn:
+    """End the process with ``code``: ``sys.exit(code)`` where no process group was made; after a
+    distributed run, the exit handlers run (Lightning's process-group teardown, logging's flush,
+    loggers' own), the standard streams are flushed, and ``os._exit`` skips interpreter shutdown.
+
+    Why: with gloo, one of the process group's worker threads can still hold the last reference to a
+    finished collective when the interpreter shuts down. Releasing it drops a Python object kept in
+    the collective's thread-local state; during shutdown the thread cannot take the GIL, and the
+    whole process aborts ("terminate called without an active exception", exit -6) after its work is
+    done and its files are written: a 2-process ``agentopsd-eval`` did so once in a CI run. Every
+    file the trainer writes is closed before this point, and the exit handlers run while the
+    interpreter is whole, so skipping its shutdown loses nothing."""
+    status = exit_code(code)
+    if not (dist.is_available() and dist.is_initialized()):
+        sys.exit(status)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to lose
+            pass
+    os._exit(status)
 
 
 # ------------------------------------------------------------------ simulation and recording (tests)

@@ -402,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    from agentopsd.distributed import exit_process
+
+    exit_process(main())  # not sys.exit: after a multi-process evaluation, see exit_process
 
 
 if __name__ == "__main__":

@@ -155,8 +155,14 @@ def _command() -> str:
 
 def cli() -> None:
     """``python train.py`` and the ``agentopsd-train`` console command."""
+    from agentopsd.distributed import exit_process
+
     sys.argv = _accept_plus_experiment(sys.argv)
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # a preempted or out-of-memory run's exit status, or Hydra's on a bad config
+        exit_process(stop.code)
+    exit_process(0)  # not a plain return: after a multi-process run, see exit_process
 
 
 runs.register_resolvers()  # before Hydra composes: output_dir is ${run_dir:...}
