@@ -330,3 +330,13 @@ def record(event: tuple) -> None:
     sim = _simulated()
     if sim is not None:
         sim.logs[_local.rank].append(event)
+
+
+def kill_launched_ranks(strategy: object) -> None:
+    """Rank 0 of Lightning's own launcher started the other ranks: kill them (before this process exits on an
+    error the others would otherwise wait on in their next collective)."""
+    import signal
+
+    launcher = getattr(strategy, "launcher", None)
+    if launcher is not None and getattr(launcher, "procs", None) and hasattr(launcher, "kill"):
+        launcher.kill(signal.SIGKILL)

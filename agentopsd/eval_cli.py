@@ -12,7 +12,9 @@ It takes ``train.py``'s overrides: the experiment picks the environment, the eva
 each task at the rollout temperature) and the seed. The policy is ``model.path=`` (a folder, e.g. one
 ``agentopsd-export`` wrote, or a hub id) or ``ckpt_path=`` (a run folder, ``last`` for the latest run of the
 experiment's name, a ``last.ckpt`` or a ``policy-*.pt``: its weights read on one process, see
-:mod:`agentopsd.export`). Backends: transformers (``rollout=hf``) or vLLM (``rollout.backend=vllm``, or ``rollout=vllm`` in an experiment made for it; a checkpoint is
+:mod:`agentopsd.export`). A checkpoint is evaluated on its run's recorded config (the environment, model, rollout,
+evaluation list and seed it trained with, :func:`run_eval_config`), not on the command line's defaults; the keys and
+groups the command line names itself apply on top, and ``experiment=`` must be the run's own. Backends: transformers (``rollout=hf``) or vLLM (``rollout.backend=vllm``, or ``rollout=vllm`` in an experiment made for it; a checkpoint is
 exported to ``<eval_dir>/model`` first, since vLLM loads its weights from a folder).
 
 The trainer's ``trainer=`` config launches the processes (``trainer=ddp trainer.devices=2``) and the
@@ -69,22 +71,76 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def compose(overrides: list[str]):
-    """The config ``train.py`` would compose from the same overrides (hydra node set, as in a run)."""
+    """The config ``train.py`` would compose from the same overrides (hydra node set, as in a run). A composition
+    error (a typo'd key or option) raises :class:`ConfigError` in one line (:func:`agentopsd.composition.explain`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from agentopsd import runs
+    from agentopsd.composition import explain
     from agentopsd.train import CONF_DIR
+    from agentopsd.validation import ConfigError
 
     runs.register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        def composed(items: list[str]):
+            return hydra_compose(config_name="config", overrides=items, return_hydra_config=True)
+
+        try:
+            cfg = composed(overrides)
+        except (HydraException, OmegaConfBaseException) as err:
+            raise ConfigError(explain(err, overrides, composed)) from err
     HydraConfig.instance().set_config(cfg)  # ${hydra:runtime.choices.experiment} (the run's name) resolves
     runs.check_group_swaps(cfg.hydra.runtime.choices.get("experiment"), overrides, CONF_DIR)
     return cfg
+
+
+LOCATION_KEYS = ("hydra", "name", "runs_dir", "output_dir", "ckpt_path", "resume_force")
+"""Keys of a run's recorded config that say where it ran, not how: the evaluation keeps the command line's."""
+
+
+def run_eval_config(cfg, run_dir: Path, overrides: list[str]):
+    """The config a run's checkpoint is evaluated with: the run's recorded config (environment, model, rollout,
+    evaluation list, seed: what it trained with), and on top the keys and groups the command line names itself
+    (``evaluation.num_tasks=10``, ``trainer=ddp``, ``rollout.backend=vllm``, ``env.id=...``). ``cfg`` is the command
+    line's composed config: the defaults it filled in never replace the run's. ``experiment=`` only finds the run
+    (``ckpt_path=last``) and must be the run's own: another would say the run is evaluated on its task."""
+    from omegaconf import OmegaConf, open_dict
+
+    from agentopsd import resume
+    from agentopsd.export import run_config
+
+    record = resume.recorded_config(run_dir)
+    trained = run_config(run_dir)
+    chosen, ran = dict(cfg.hydra.runtime.choices), resume.recorded_choices(record)
+    given = {arg.lstrip("+~").partition("=")[0]: arg for arg in overrides}
+    if "experiment" in given and ran.get("experiment") is not None and chosen.get("experiment") != ran["experiment"]:
+        raise EvalError(f"{given['experiment']}: the run {run_dir} was made with experiment={ran['experiment']}, and ckpt_path= "
+                        f"evaluates it on its own config; drop {given['experiment']} (or give experiment={ran['experiment']})")
+    merged = cfg.copy()
+    with open_dict(merged):
+        for key in trained:
+            if key not in LOCATION_KEYS:
+                merged[key] = trained[key]
+        # what the command line names wins, as Hydra composed it: group swaps first, then single keys on top
+        for key, arg in sorted(given.items(), key=lambda item: item[0] not in chosen):
+            if key in LOCATION_KEYS or key == "experiment" or key.startswith("hydra."):
+                continue
+            if key in chosen and ran.get(key) == chosen[key]:
+                continue  # the run's own option (env=babyai on a babyai run): its node, with its experiment's keys, stays
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(merged, parent) if parent else merged
+            if arg.startswith("~"):  # ~key: deleted on the command line, deleted here
+                if node is not None and leaf in node:
+                    del node[leaf]
+                continue
+            OmegaConf.update(merged, key, OmegaConf.select(cfg, key), force_add=True)
+    return merged
 
 
 def _policy_model_cfg(cfg) -> dict[str, Any] | None:
@@ -267,6 +323,7 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
 
     import agentopsd.envs  # noqa: F401  (registers the agentopsd/* environments)
     from agentopsd import runs
+    from agentopsd.envs.base import registration_problem
     from agentopsd.export import export, load_policy_from_checkpoint, read_metadata, resolve_source
     from agentopsd.validation import _check_evaluation_size, _check_settings
 
@@ -276,12 +333,6 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
 
     hf_logging.disable_progress_bar()
     runs.silence_known_noise()
-    import gymnasium as gym
-
-    if cfg.env.id not in gym.registry:
-        raise EvalError(f"env.id={cfg.env.id!r} is not registered (env=<babyai|alfworld|webshop|searchqa>)")
-    _check_settings(cfg)
-    _check_evaluation_size(cfg)
     policy_cfg = _policy_model_cfg(cfg)
     run_dir = None
     if cfg.ckpt_path:
@@ -292,11 +343,17 @@ def evaluate(argv: list[str]) -> dict[str, Any]:
                 raise EvalError(f"ckpt_path=last: no run in {cfg.runs_dir}; give a run folder or checkpoint path")
             source = str(found)
         _, run_dir = resolve_source(source)
-    elif policy_cfg is not None:
+        cfg = run_eval_config(cfg, run_dir, overrides)  # the run's task and protocol, not the command line's defaults
+    problem = registration_problem(cfg.env.id)
+    if problem:
+        raise EvalError(problem)
+    _check_settings(cfg)
+    _check_evaluation_size(cfg)
+    if run_dir is None and policy_cfg is not None:
         from agentopsd.models import resolve_model_path
 
         resolve_model_path(policy_cfg["path"])  # a missing folder or hub id fails in seconds, in one line
-    else:
+    elif run_dir is None:
         raise EvalError("nothing to evaluate: give model.path=<folder or hub id> (e.g. one agentopsd-export wrote) "
                         "or ckpt_path=<run folder, last, last.ckpt or policy-*.pt>")
     if cfg.rollout.backend == "vllm":

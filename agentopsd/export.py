@@ -94,13 +94,15 @@ def resolve_source(source: str | Path, run: str | Path | None = None) -> tuple[P
 
 
 def run_config(run_dir: Path):
-    """The run's composed config (``.hydra/config.yaml``), interpolations left to resolve on access."""
+    """The run's composed config, interpolations left to resolve on access: its latest record (a resume's
+    ``.hydra/resume-<n>/config.yaml``, else ``.hydra/config.yaml``; see :mod:`agentopsd.resume`)."""
     from omegaconf import OmegaConf
 
     from agentopsd import runs
+    from agentopsd.resume import recorded_config
 
     runs.register_resolvers()
-    return OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml")
+    return OmegaConf.load(recorded_config(run_dir))
 
 
 # ------------------------------------------------------------------ reading the weights

@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from agentopsd.precision import check_dtype, choose_precision, describe, loading_dtype, read_cpu_flags
+from agentopsd.pretrained import ModelNotFoundError
 from agentopsd.tokenizer import IM_END, tiny_qwen2_config
 
 log = logging.getLogger(__name__)
@@ -36,10 +38,6 @@ DTYPES: dict[str, torch.dtype | str] = {
 LORA_KEYS = frozenset({"r", "alpha", "dropout", "target_modules"})
 _PROBE_TIMEOUT_S = 5.0
 _TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-class ModelNotFoundError(FileNotFoundError):
-    """The policy's weights are neither a local folder, nor in the hub cache, nor downloadable."""
 
 
 def _offline() -> bool:
@@ -98,8 +96,7 @@ def resolve_model_path(path: str) -> str:
 
 
 def _dtype_kwargs(dtype: str) -> dict[str, Any]:
-    if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     # transformers renamed torch_dtype to dtype in 4.56.
     name = "dtype" if Version(transformers.__version__) >= Version("4.56") else "torch_dtype"
     return {name: DTYPES[dtype]}
@@ -180,7 +177,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False) -> PreTrainedT
 def load_policy(
     path: str,
     *,
-    dtype: str = "float32",
+    dtype: str = "auto",
     gradient_checkpointing: bool = False,
     lora: dict[str, Any] | None = None,
     trust_remote_code: bool = False,
@@ -189,7 +186,9 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local folder or hub id (see :func:`resolve_model_path`).
 
-    ``dtype``: float32, bfloat16, float16 or auto (the checkpoint's). Gradient checkpointing is the
+    ``dtype``: float32, bfloat16, float16 or auto: on a CPU bf16 where the processor computes it natively, else
+    float32; on a GPU the checkpoint's (:func:`agentopsd.precision.choose_precision`, said in one log line; a LoRA
+    base then loads in bf16, full fine-tuning's master weights in float32). Gradient checkpointing is the
     non-reentrant kind (works with LoRA's frozen inputs). A tokenizer without a pad token gets
     pad = eos (:func:`ensure_pad_token`).
 
@@ -198,7 +197,10 @@ def load_policy(
     after sharding rank 0 broadcasts the weights into every rank's shards
     (:func:`agentopsd.strategies.fill_from_rank0`): one copy of the weights per node in host memory, not one per process.
     """
-    kwargs = _dtype_kwargs(dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where auto is decided: this machine
+    choice = choose_precision(dtype, device, read_cpu_flags())
+    log.info("%s", describe(choice, dtype, lora=lora is not None, device=device))
+    kwargs = _dtype_kwargs(loading_dtype(choice, dtype, lora=lora is not None))
     resolved = resolve_model_path(path)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

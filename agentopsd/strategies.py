@@ -10,6 +10,7 @@ its dtype (FSDP2 units mix trainable and frozen parameters: measured on torch 2.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 
@@ -161,11 +162,13 @@ def _shard(model: nn.Module, what: str, fully_shard, **kwargs) -> None:
     fully_shard(model, **kwargs)
 
 
-def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str, mesh=None, *, sharded: bool = False) -> bool:
+def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str, mesh=None, *, sharded: bool = False,
+                   frozen_half: bool = False) -> bool:
     """Float32 master weights where ``precision`` asks for them, then, given a data-parallel ``mesh``
     (``trainer=fsdp``) and a model not ``sharded`` yet, FSDP2: shard each decoder layer, then the root,
     of the policy and of the KL reference. Returns whether the policy is sharded now (its forwards
-    are collectives from then on)."""
+    are collectives from then on). ``frozen_half`` (unsharded; :class:`agentopsd.precision.WeightPlan`): only the
+    trainable weights become float32, a LoRA base loaded in bf16 stays bf16 (the CPU computes it natively)."""
     # Weights may load in bf16 (half the host memory), but under a mixed or float32 precision the
     # optimizer must update float32 weights. Sharded, each rank converts only its own shard.
     upcast = needs_float32_master(precision)
@@ -173,8 +176,9 @@ def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str
         if not sharded and any(p.is_meta for p in model.parameters()):
             raise RuntimeError("the policy was built on the meta device (model.meta_on_other_ranks=true), which only "
                                "trainer=fsdp fills (rank 0 broadcasts the weights after sharding): set it false here")
-        if upcast and upcast_half_params(model):
-            log.info("trainer.precision=%s: half-precision weights upcast to float32 master weights", precision)
+        if upcast and upcast_half_params(model, trainable_only=frozen_half):
+            log.info("trainer.precision=%s: half-precision %sweights upcast to float32 master weights", precision,
+                     "trainable " if frozen_half else "")
         return sharded
     from torch.distributed.fsdp import fully_shard
 
@@ -190,7 +194,7 @@ def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str
     if from_rank0:
         if on_meta and rank_and_world()[0] == 0:
             raise RuntimeError("global rank 0 built the policy on the meta device: it must hold the weights it broadcasts")
-        # The reference is a frozen copy of this very policy (agentopsd.module.frozen_copy): the same weights
+        # The reference is a frozen copy of this very policy (frozen_copy below): the same weights
         # fill it. Rank 0 shards its own copy as it is: ``to("meta")`` would untie its tied weights
         # (one new parameter per module), and its peak, two full copies, came with the copy anyway.
         full_state = {} if on_meta else rank0_weights(model)
@@ -210,3 +214,19 @@ def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str
         log.info("trainer.precision=%s: half-precision %sweight shards upcast to float32 master weights", precision,
                  "trainable " if trainable_only else "")
     return True
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """The KL reference: a frozen copy of the policy as built. A policy built on the meta device
+    (``model.meta_on_other_ranks``) gives a meta copy (no memory); :func:`agentopsd.strategies.prepare_policy`
+    then fills it from rank 0's policy weights."""
+    return copy.deepcopy(model).requires_grad_(False).eval()
+
+
+def place_reference(ref: nn.Module | None, model: nn.Module) -> None:
+    """The frozen reference on the policy's device and dtype (it is not a registered submodule of the module, so
+    Lightning does not move it)."""
+    p = next(model.parameters(), None)
+    q = next(ref.parameters(), None) if ref is not None else None
+    if p is not None and q is not None and (q.device != p.device or q.dtype != p.dtype):
+        ref.to(device=p.device, dtype=p.dtype)

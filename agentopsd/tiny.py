@@ -31,10 +31,11 @@ def environment_texts(env_id: str, episodes: int = 40, max_steps: int = 60, outp
     try:
         for ep in range(episodes):
             obs, info = env.reset(seed=ep)
+            task = info["task"]  # a reset's info holds the task; a step's need not (envs/base.py: STEP_INFO_KEYS)
             history: list[HistoryEntry] = []
             for _ in range(max_steps):
                 action = env.unwrapped.expert_action()
-                yield builder.user_message(info["task"], history[-2:], obs, info.get("admissible_actions"))
+                yield builder.user_message(task, history[-2:], obs, info.get("admissible_actions"))
                 yield f"<action>{action}</action>" if output_format != "search_r1" else action
                 history.append(HistoryEntry(obs, action))
                 obs, _, term, trunc, info = env.step(action)

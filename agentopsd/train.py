@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import agentopsd.envs  # noqa: F401  (registers the agentopsd/* environments)
 from agentopsd import runs
+from agentopsd.composition import check_composition
 from agentopsd.models import ModelNotFoundError
 from agentopsd.preemption import Preempted
 from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
@@ -158,6 +159,13 @@ def cli() -> None:
     from agentopsd.distributed import exit_process
 
     sys.argv = _accept_plus_experiment(sys.argv)
+    try:  # Hydra would report a typo'd key or option in several lines and exit 1: one line and exit 2 instead
+        check_composition(sys.argv[1:], CONF_DIR)
+    except ConfigError as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        exit_process(2)
     try:
         main()
     except SystemExit as stop:  # a preempted or out-of-memory run's exit status, or Hydra's on a bad config

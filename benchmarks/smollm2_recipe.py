@@ -19,13 +19,15 @@ One ``train.py`` subprocess (its own process group, so a stop kills nothing else
 
 Threads: ``--threads`` sets ``OMP_NUM_THREADS`` for the run (default: as the caller's environment has it).
 
-    python benchmarks/smollm2_recipe.py --micro [--json PATH]
+    python benchmarks/smollm2_recipe.py --micro [--model smollm2|tiny] [--repeats N] [--json PATH] [--report PATH]
 
 ``--micro`` times each phase's unit of work in this process instead, on real PickupObj rows (4 training tasks x 4
-expert turns, SmolLM2's chat template), each twice (the second is reported: the first pays one-off setup): one
-rollout turn (16 prompts, 8 new tokens, KV cache), teacher scoring of the 16 teacher views (shared prefixes once),
-one update micro-batch (8 rows, forward and backward) with LoRA in float32, LoRA under bf16 autocast, and full
-fine-tuning, and one warm-start step (4 samples). A few minutes; the speed-ups are compared there, not in full runs.
+expert turns, the model's chat template), in float32 and in bf16 side by side (LoRA r=16 both ways; bf16: the
+frozen base stored in bf16, the adapters float32, what ``model.dtype=auto`` gives where the CPU has avx512_bf16 or
+AMX), printed as a table with their ratio: one rollout turn (16 prompts, 8 new tokens, KV cache), teacher scoring of
+the 16 teacher views (shared prefixes once), one update micro-batch (8 rows, forward and backward) and one
+warm-start step (4 samples). A few minutes on SmolLM2; ``--model tiny`` runs it in seconds on the tiny Qwen2.
+Whether bf16 pays depends on the processor: the table names its native bf16 flags.
 """
 
 from __future__ import annotations
@@ -256,19 +258,18 @@ def micro_rows(tokenizer) -> tuple[list[list[int]], list[list[int]], list[list[i
     return students, teachers, replies, samples
 
 
-def _timed(fn, repeats: int = 2) -> list[float]:
-    out = []
+def _best(fn, repeats: int) -> float:
+    """The fastest of ``repeats`` calls, in seconds: on a shared machine the other runs only ever add time."""
+    best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        out.append(round(time.perf_counter() - t0, 2))
-    return out
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
-def _update_step(model, pad_id: int, prompts: list[list[int]], replies: list[list[int]], autocast: bool) -> None:
+def _update_step(model, pad_id: int, prompts: list[list[int]], replies: list[list[int]]) -> None:
     """One update micro-batch's work: the student log-probs at the action tokens with gradient, and a backward."""
-    import contextlib
-
     import torch
 
     from agentopsd.rollout.scoring import Scorer
@@ -283,29 +284,27 @@ def _update_step(model, pad_id: int, prompts: list[list[int]], replies: list[lis
         amask[i, len(p) : len(p) + len(r)] = True
     scorer = Scorer(model, pad_id, 1.0, micro_batch_size=len(prompts), max_tokens_per_micro_batch=0, device=torch.device("cpu"))
     model.train()
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with ctx:
-        lp, _ = scorer.action_scores(ids, attn, amask, entropy=False)
+    lp, _ = scorer.action_scores(ids, attn, amask, entropy=False)
     (-lp.float().mean()).backward()
     model.zero_grad(set_to_none=True)
 
 
-def micro(path: str = "smollm2-135m") -> dict[str, object]:
-    """Seconds of each phase's unit of work (see the module's docstring), two repeats each."""
-    import torch
+MICRO_PHASES = {
+    "rollout turn": "16 prompts, 8 new tokens, KV cache",
+    "teacher scoring": "16 teacher views + replies, no grad",
+    "update micro-batch": "8 rows, forward + backward, LoRA",
+    "warm-start step": "4 samples, forward + backward + AdamW, LoRA",
+}
+"""Each phase's unit of work, timed in float32 and in bf16 (see the module's docstring)."""
 
-    from agentopsd.models import load_policy
-
-    out: dict[str, object] = {"threads": torch.get_num_threads()}
-    rows = _micro_lora(path, out)  # its model is freed on return: the full model loads next, alone
-    full, tokenizer = load_policy(path)
-    students, _, replies, _ = rows
-    out["update_8_rows_full_fp32"] = _timed(lambda: _update_step(full, tokenizer.pad_token_id, students[:8], replies[:8],
-                                                                 autocast=False))
-    return out
+MICRO_DTYPES = ("float32", "bfloat16")
+TINY_MODEL = {"vocab_size": 512, "hidden_size": 192, "num_layers": 3, "num_heads": 4, "intermediate_size": 768}
+"""``--model tiny``: the quickstart's default tiny Qwen2 (no download), so that CI checks the code runs."""
 
 
-def _micro_lora(path: str, out: dict[str, object]) -> tuple:
+def _phases(path: str, dtype: str) -> tuple[dict[str, object], dict[str, int]]:
+    """The policy loaded in ``dtype`` with LoRA (bf16: the frozen base in bf16, the adapters float32, as
+    ``model.dtype=auto`` gives on a CPU with native bf16) and a callable per phase; the rows' mean lengths."""
     import torch
 
     from agentopsd.models import load_policy
@@ -314,24 +313,81 @@ def _micro_lora(path: str, out: dict[str, object]) -> tuple:
     from agentopsd.rollout.scoring import continuation_logprobs
     from agentopsd.warmstart import _train
 
-    model, tokenizer = load_policy(path, lora=LORA)
+    model, tokenizer = load_policy(path, dtype=dtype, lora=LORA)
     pad = tokenizer.pad_token_id
-    rows = micro_rows(tokenizer)
-    students, teachers, replies, samples = rows
-    out["student_tokens_mean"] = sum(map(len, students)) / len(students)
-    out["teacher_tokens_mean"] = sum(map(len, teachers)) / len(teachers)
+    students, teachers, replies, samples = micro_rows(tokenizer)
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, stop_strings=("</action>",), seed=0)
     generator = HFGenerator(model, tokenizer)
-    model.eval()
-    out["rollout_turn_16_rows"] = _timed(lambda: generator.generate(students, sampling))
-    with torch.no_grad():
-        out["teacher_scoring_16_rows"] = _timed(lambda: continuation_logprobs(model, teachers, replies, pad_id=pad, temperature=1.0))
-    out["update_8_rows_lora_fp32"] = _timed(lambda: _update_step(model, pad, students[:8], replies[:8], autocast=False))
-    out["update_8_rows_lora_bf16_autocast"] = _timed(lambda: _update_step(model, pad, students[:8], replies[:8], autocast=True))
-    out["update_16_rows_lora_fp32"] = _timed(lambda: _update_step(model, pad, students, replies, autocast=False), repeats=1)
-    out["warm_start_2_steps_of_4_lora"] = _timed(lambda: _train(model, tokenizer, samples, steps=2, lr=1e-5, warmup=1,
-                                                                batch_size=4, seconds=1e9, seed=0), repeats=1)
-    return rows
+
+    def rollout_turn() -> None:
+        torch.manual_seed(0)  # the same draws in both precisions, as far as their numbers allow
+        generator.generate(students, sampling)
+
+    def teacher_scoring() -> None:
+        model.eval()
+        with torch.no_grad():
+            continuation_logprobs(model, teachers, replies, pad_id=pad, temperature=1.0)
+
+    phases = {
+        "rollout turn": rollout_turn,
+        "teacher scoring": teacher_scoring,
+        "update micro-batch": lambda: _update_step(model, pad, students[:8], replies[:8]),
+        "warm-start step": lambda: _train(model, tokenizer, samples, steps=1, lr=1e-5, warmup=1, batch_size=4, seconds=1e9, seed=0),
+    }
+    lengths = {"student_tokens_mean": round(sum(map(len, students)) / len(students)),
+               "teacher_tokens_mean": round(sum(map(len, teachers)) / len(teachers))}
+    return phases, lengths
+
+
+def micro(model: str = "smollm2", repeats: int = 3) -> dict[str, object]:
+    """Seconds of each phase's unit of work in float32 and in bf16, one process: both models loaded side by side and
+    the phases run alternately (float32, bf16, float32, ...), so a busy spell on the machine hits both; the best of
+    ``repeats`` each (the first call of each also pays one-off setup)."""
+    import tempfile
+
+    import torch
+
+    from agentopsd.precision import NATIVE_BF16_FLAGS, read_cpu_flags
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = "smollm2-135m"
+        if model == "tiny":
+            import agentopsd.envs  # noqa: F401  (the tokenizer is trained on PickupObj's text)
+            from agentopsd.tiny import tiny_policy
+
+            tiny, tokenizer = tiny_policy("agentopsd/BabyAI-PickupObj-v0", skills="babyai", **TINY_MODEL)
+            tiny.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            path = tmp
+        loaded = {dtype: _phases(path, dtype) for dtype in MICRO_DTYPES}
+    seconds: dict[str, dict[str, float]] = {phase: {} for phase in MICRO_PHASES}
+    for phase in MICRO_PHASES:
+        for _ in range(repeats):
+            for dtype in MICRO_DTYPES:
+                took = _best(loaded[dtype][0][phase], 1)
+                seconds[phase][dtype] = round(min(seconds[phase].get(dtype, float("inf")), took), 4)
+    flags = read_cpu_flags()
+    return {"model": model, "threads": torch.get_num_threads(), "repeats": repeats,
+            "native_bf16_flags": [f for f in NATIVE_BF16_FLAGS if f in flags],
+            "avx512_flags": sorted(f for f in flags if f.startswith("avx512")), **loaded["float32"][1],
+            "seconds": seconds}
+
+
+def speedup(seconds: dict[str, float]) -> float:
+    """bf16's speed-up on one phase: float32 seconds over bf16 seconds (above 1: bf16 is faster)."""
+    return seconds["float32"] / max(seconds["bfloat16"], 1e-12)
+
+
+def micro_table(figures: dict[str, object]) -> str:
+    """The ``--micro`` figures as a markdown table, float32 and bf16 side by side with their ratio."""
+    flags = ", ".join(figures["native_bf16_flags"]) or "none"
+    lines = [f"model {figures['model']}, {figures['threads']} thread(s), best of {figures['repeats']}; native bf16 flags: {flags}",
+             "", "| phase | work | float32 s | bf16 s | bf16 speed-up (float32 s / bf16 s) |", "|---|---|---|---|---|"]
+    for phase, work in MICRO_PHASES.items():
+        s = figures["seconds"][phase]
+        lines.append(f"| {phase} | {work} | {s['float32']:.3f} | {s['bfloat16']:.3f} | {speedup(s):.2f}x |")
+    return "\n".join(lines)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -340,15 +396,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default=None, help="OMP_NUM_THREADS for the run (default: as set here)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown here")
-    parser.add_argument("--micro", action="store_true", help="time each phase's unit of work here (no train.py run)")
+    parser.add_argument("--micro", action="store_true", help="time each phase's unit of work here, float32 and bf16 (no train.py run)")
+    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
+                        help="--micro: SmolLM2-135M, or the tiny from-scratch Qwen2 (seconds, no download: CI)")
+    parser.add_argument("--repeats", type=int, default=3, help="--micro: calls per phase and precision (the best is kept)")
     parser.add_argument("overrides", nargs="*", help="train.py overrides after --, e.g. num_iterations=2")
     args = parser.parse_args(argv)
     if args.micro:
-        figures = micro()
-        print(json.dumps(figures, indent=1))
+        figures = micro(args.model, args.repeats)
+        text = micro_table(figures)
+        print("\n" + text)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps({"commit": commit(), **figures}, indent=1) + "\n")
+        if args.report:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(text + "\n")
         return 0
     threads = args.threads or os.environ.get("OMP_NUM_THREADS") or "unset"
     if args.out is None:

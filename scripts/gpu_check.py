@@ -385,6 +385,7 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
 
     from agentopsd.memory import measure_cpu_peak
     from agentopsd.module import AgentRLModule
+    from agentopsd.rollout import base as rollout_base
     from agentopsd.rollout import factory
     from agentopsd.rollout.scoring import Scorer
 
@@ -422,7 +423,7 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
     factory.engine_sync = engine_sync
     factory.engine_sleep = engine_sleep
     if "skip-cache-release" in plant:
-        factory.release_device_cache = lambda: None
+        rollout_base.release_device_cache = lambda: None
 
     calls: list[tuple[list[torch.Tensor], torch.Tensor]] = []
     micro_batches = Scorer.micro_batches

@@ -411,8 +411,7 @@ def paired_difference(rows: list[dict], a: str, b: str) -> tuple[float, float, f
     diffs = [statistics.fmean(v) for _, v in sorted(per_seed.items())]
     if not diffs:
         return float("nan"), float("nan"), float("nan"), 0
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ladder.py: its exact t quantiles
-    from ladder import t_interval
+    from agentopsd.study.stats import t_interval  # exact t quantiles
 
     mean, low, high = t_interval(diffs, bounds=(-1.0, 1.0))
     return mean, low, high, len(diffs)

@@ -126,6 +126,7 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
 
     import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
     from agentopsd.models import load_tokenizer
+    from agentopsd.rollout import base as rollout_base
     from agentopsd.rollout import factory
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.vllm_backend import VLLMGenerator, _runner
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
     device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
     on_cuda = device.type == "cuda"
     if plant == "skip-cache-release":
-        factory.release_device_cache = lambda: None  # the planted defect: the update's cache stays when vLLM wakes
+        rollout_base.release_device_cache = lambda: None  # the planted defect: the update's cache stays when vLLM wakes
 
     def used() -> float:
         """Bytes in use on this rank's device by every process (CUDA), else 0."""
@@ -379,10 +380,10 @@ def leg_behaved(leg: str, checks: dict[str, dict[str, Any]]) -> bool:
 
 def run_leg(args: argparse.Namespace, leg: str) -> dict[str, Any]:
     """One leg, never raising: a crash fails every check it did not reach."""
-    from agentopsd.rollout import factory
+    from agentopsd.rollout import base as rollout_base
 
     out: dict[str, Any] = {"checks": {}}
-    release = factory.release_device_cache
+    release = rollout_base.release_device_cache
     if args.engine == "fake":
         from agentopsd.rollout import fake_engine
 
@@ -394,7 +395,7 @@ def run_leg(args: argparse.Namespace, leg: str) -> dict[str, Any]:
         traceback.print_exc()
         out["crashed"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
     finally:
-        factory.release_device_cache = release  # undo a plant
+        rollout_base.release_device_cache = release  # undo a plant
     for name in CHECKS:  # a check the run never reached fails, saying so
         out["checks"].setdefault(name, {"ok": False, "detail": f"not reached ({out.get('crashed', 'no reason')})"})
     out["behaved"] = leg_behaved(leg, out["checks"])

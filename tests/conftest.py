@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 
 # OpenMP threads that spin while waiting made torch work 10-40x slower whenever another process
 # shared the cores (measured here); passive waiting costs nothing on an idle machine. Must be set
@@ -96,3 +98,13 @@ def tiny_walk_policy(tiny_cache):
     from agentopsd.tiny import tiny_policy
 
     return tiny_policy(TOY_ID, skills=WALK_SKILLS, vocab_size=450, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, text_episodes=6, cache_dir=tiny_cache)
+
+
+@pytest.fixture(scope="module")
+def smollm2_recipe_bench():
+    """benchmarks/smollm2_recipe.py as a module (the benchmark and the recipe's tests read it)."""
+    spec = importlib.util.spec_from_file_location("smollm2_recipe", Path(__file__).resolve().parents[1] / "benchmarks" / "smollm2_recipe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["smollm2_recipe"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -6,6 +6,7 @@ tests/test_readme_commands.py, which read them through :func:`doc_pages`."""
 
 from __future__ import annotations
 
+import html.parser
 import re
 import shutil
 import subprocess
@@ -59,10 +60,12 @@ def test_every_page_is_in_the_nav_and_every_nav_entry_is_a_page():
 
 
 def test_every_fenced_block_is_of_a_kind_the_tests_handle():
-    """python runs, bash commands run or are checked, yaml instantiates, text is quoted output: nothing else."""
+    """python runs, bash commands run or are checked, yaml instantiates, text is quoted output, json is a file a page's
+    example writes (docs/own-environment.md: tests/test_own_environment.py): nothing else."""
     for name, text in doc_pages():
         for lang, _ in code_blocks(text):
-            assert lang in ("python", "bash", "yaml", "text"), f"{name}: a ```{lang} block no test handles"
+            assert lang in ("python", "bash", "yaml", "text", "json"), f"{name}: a ```{lang} block no test handles"
+            assert lang != "json" or name == "docs/own-environment.md", f"{name}: a ```json block no test writes"
 
 
 def test_the_readme_is_a_five_minute_read_that_links_to_the_guides():
@@ -137,7 +140,7 @@ def test_every_configuration_key_has_a_meaning_and_the_supplement_holds_only_und
 def test_a_settings_field_no_yaml_sets_still_appears_with_its_class_default():
     gen = _generator()
     sections, meanings, sources = gen.collect()
-    value, default = sections["optim"]["optim.offload_optimizer"]
+    value, _, default = sections["optim"]["optim.offload_optimizer"]
     assert default is False and sources["optim.offload_optimizer"] == "docstring"
     assert "optim.weight_decay" in sections["optim"]  # set by no yaml: documented from the class
 
@@ -195,6 +198,83 @@ def test_the_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     api = (tmp_path / "site" / "reference" / "credit" / "index.html").read_text()
     assert "reshape_advantages" in api and "turn_evidence" in api  # mkdocstrings rendered the docstrings
+    # what the reader sees: no placeholder taken for an HTML tag (and hidden), no raw Sphinx role
+    for page in sorted((tmp_path / "site").rglob("*.html")):
+        text = page.read_text()
+        name = page.relative_to(tmp_path / "site")
+        parser = _Tags()
+        parser.feed(text)
+        assert not parser.tags - HTML_TAGS, f"{name}: <{'>, <'.join(sorted(parser.tags - HTML_TAGS))}> hidden as HTML tags"
+        shown = re.sub(r"<[^>]+>", "", text)
+        assert not SPHINX_ROLE.search(shown), f"{name} shows a raw Sphinx role: {SPHINX_ROLE.search(shown).group(0)}"
+
+
+HTML_TAGS = set(
+    "a abbr article aside b blockquote body br button caption code col colgroup dd del details div dl dt em "
+    "figcaption figure footer form h1 h2 h3 h4 h5 h6 head header hr html i img input ins kbd label li link main "
+    "mark meta nav ol p path pre rect g circle script section small span strong style sub summary sup svg table "
+    "tbody td tfoot th thead title tr u ul".split()
+)
+"""The tags a page may hold; any other start tag in a built page is text that Markdown let through as HTML."""
+SPHINX_ROLE = re.compile(r":(?:py:)?(?:func|class|meth|mod|data|attr|obj|exc|const):`?~?[\w.]+")
+
+
+class _Tags(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.tags.add(tag)
+
+
+def hidden_placeholders(text: str) -> list[str]:
+    """The ``<word>``s of a Markdown page that a browser would take for tags and hide: outside fenced blocks, code
+    spans and comments, and not an HTML tag."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.DOTALL)
+    text = re.sub(r"(`+).+?\1", "", text)
+    return [m.group(0) for m in re.finditer(r"</?([A-Za-z][\w-]*)[^>]*>", text) if m.group(1).lower() not in HTML_TAGS]
+
+
+def test_no_page_hides_a_placeholder_or_shows_a_raw_role():
+    """`runs/<name>/latest` outside a code span shows as "runs//latest"; the generated reference quotes comments and
+    docstrings, so its generator makes them safe (scripts/gen_config_reference.py: markdown_text)."""
+    for name, text in doc_pages():
+        assert not hidden_placeholders(text), f"{name}: {hidden_placeholders(text)} would be hidden (put them in `code`)"
+        prose = re.sub(r"(`+).+?\1", "", re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE))
+        assert not SPHINX_ROLE.search(prose), f"{name}: a raw Sphinx role {SPHINX_ROLE.search(prose).group(0)}"
+
+
+def test_the_generator_makes_comments_and_docstrings_safe_for_the_site():
+    gen = _generator()
+    assert gen.markdown_text("`last` resumes runs/<name>/latest, or policy-<iteration>.pt.") == (
+        "`last` resumes `runs/<name>/latest`, or `policy-<iteration>.pt`."
+    )
+    assert gen.markdown_text("(:mod:`agentopsd.balance`; :class:`~agentopsd.types.RolloutBatch`)") == (
+        "(`agentopsd.balance`; `RolloutBatch`)"
+    )
+    assert gen.markdown_text("a < b and ``<kept>`` in code") == "a &lt; b and ``<kept>`` in code"
+    assert not hidden_placeholders(gen.render())
+
+
+def test_every_key_shows_a_default_or_a_value_and_the_root_values_are_shown():
+    """Each key shows what `python train.py` gives, what `experiment=none` (the root config and the groups' own
+    files) gives, or a default; a comment continued on aligned lines is quoted whole."""
+    gen = _generator()
+    sections, meanings, _ = gen.collect()
+    blank = [
+        k
+        for rows in sections.values()
+        for k, (value, bare, default) in rows.items()
+        if value is gen.MISSING and bare is gen.MISSING and default is gen.MISSING
+        and not any(other.startswith(f"{k}.") for other in rows)
+    ]
+    assert not blank, f"keys with nothing shown: {blank}"
+    value, bare, _ = sections["top"]["num_iterations"]
+    assert (value, bare) == (16, 10)  # the quickstart's, the root config's own
+    assert sections["model"]["model.dtype"][2] == "auto"  # load_policy's own default
+    assert "rounds away" in meanings["trainer.precision"]  # fsdp.yaml's comment goes on to a second line
 
 
 def test_every_group_option_says_what_it_is():
@@ -212,3 +292,94 @@ def test_the_code_layout_names_only_files_that_exist():
     existing = {p.name for d in ("agentopsd", "envs", "callbacks", "scripts", "benchmarks") for p in (ROOT / d).rglob("*")}
     existing |= {p.name for p in ROOT.glob("*.py")}
     assert len(named) > 40 and not named - existing, sorted(named - existing)
+
+
+METRIC = re.compile(r"^(rollout|loss|perf|eval|update|credit|warm_start)/[\w<]")
+NOT_A_KEY = "<>"
+
+
+def _literal(node) -> str | None:
+    """A string constant, or an f-string with each ``{...}`` as ``<>``."""
+    import ast
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        return "".join(v.value if isinstance(v, ast.Constant) else NOT_A_KEY for v in node.values)
+    return None
+
+
+def logged_metric_keys() -> set[str]:
+    """Every metric key the code writes: a dict key, a dict comprehension's key or an assigned subscript whose string
+    starts with a metric prefix (reads and collective labels are neither). ``<>`` stands for a formatted part; the two
+    families whose part names a term are expanded: ``loss/<term>`` over every loss statistic the update records,
+    ``perf/<phase>_seconds`` over the phases the module times."""
+    import ast
+    from dataclasses import fields
+
+    from agentopsd.credit.losses import PolicyLossStats
+
+    keys: set[str] = set()
+    for folder in ("agentopsd", "callbacks", "envs"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path.resolve() != path.absolute():  # agentopsd/envs and agentopsd/callbacks are links to these
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                candidates = (
+                    [k for k in node.keys if k is not None] if isinstance(node, ast.Dict)
+                    else [node.key] if isinstance(node, ast.DictComp)
+                    else [node.slice] if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+                    else []
+                )
+                keys |= {t for t in map(_literal, candidates) if t and METRIC.match(t)}
+    module = "".join((ROOT / "agentopsd" / name).read_text() for name in ("module.py", "objective.py", "update.py"))
+    assert {"loss/<>", "perf/<>_seconds"} <= keys, "the update's loss/ or perf/ families moved: update this test"
+    keys -= {"loss/<>", "perf/<>_seconds"}
+    terms = {f.name for f in fields(PolicyLossStats)}
+    terms |= set(re.findall(r'stats\["(\w+)"\] =', module)) | set(re.findall(r'stats_log\.setdefault\("(\w+)"', module))
+    keys |= {f"loss/{t}" for t in terms}
+    phases = set(re.findall(r'phase_seconds\["(\w+)"\] =', module))
+    phases |= set(re.findall(r'"(\w+)": (?:t_\w+|got\.seconds)', "".join(re.findall(r"self\.phase_seconds = \{[^}]*\}", module))))
+    keys |= {f"perf/{p}_seconds" for p in phases}
+    if '.replace("eval/", "eval/sampled/", 1)' in (ROOT / "agentopsd" / "evaluation.py").read_text():
+        keys.add("eval/sampled/<>")
+    return keys
+
+
+def documented_metric_keys() -> set[str]:
+    """The keys docs/metrics.md lists: the first cell of its tables' rows, ``<...>`` read as ``<>``."""
+    page = (DOCS / "metrics.md").read_text()
+    cells = re.findall(r"^\| `([^`]+)` \|", page, flags=re.MULTILINE)
+    return {re.sub(r"<[^>]*>", NOT_A_KEY, c) for c in cells if METRIC.match(c)}
+
+
+def metric_documented(key: str, documented: set[str]) -> bool:
+    """``key`` (a logged column such as ``eval/success/horizon/1-5``, or a pattern with ``<>``) is on the page."""
+    if key in documented:
+        return True
+    patterns = [re.escape(d).replace(re.escape(NOT_A_KEY), ".+") for d in documented if NOT_A_KEY in d]
+    return any(re.fullmatch(p, key) for p in patterns)
+
+
+def test_every_metric_the_code_logs_is_on_the_metrics_page_and_no_other():
+    logged, documented = logged_metric_keys(), documented_metric_keys()
+    assert len(logged) > 60, sorted(logged)
+    missing = sorted(k for k in logged if not metric_documented(k, documented))
+    assert not missing, f"docs/metrics.md does not explain {missing}"
+    gone = sorted(d for d in documented if not any(k == d or metric_documented(k, {d}) for k in logged))
+    assert not gone, f"docs/metrics.md lists keys the code no longer logs: {gone}"
+
+
+def test_the_metrics_check_reads_patterns_and_columns():
+    documented = {"eval/success/horizon/<>", "loss/pg_loss"}
+    assert metric_documented("eval/success/horizon/6-10", documented)
+    assert metric_documented("eval/success/horizon/<>", documented)
+    assert not metric_documented("loss/clip_frac", documented)
+
+
+def test_the_license_file_is_the_license_pyproject_names():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'license = { text = "Apache-2.0" }' in pyproject
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert re.search(r'^Repository = "https://github\.com/[\w-]+/[\w-]+"$', pyproject, flags=re.MULTILINE)

@@ -144,8 +144,9 @@ def test_two_runs_in_a_row_keep_both_reports(tmp_path):
     for run, seed in ((first, 0), (second, 1)):
         assert [p.name for p in (run / "csv").iterdir()] == ["version_0"]
         assert f"seed {seed}" in (run / "report" / "index.html").read_text()
-    # resuming takes the latest run, in its own folder; a run that fails leaves no folder
-    proc = run_train(*tiny, "ckpt_path=last")
+    # resuming takes the latest run (seed 1: its own settings; tests/test_resume.py), in its own folder; a run that
+    # fails leaves no folder
+    proc = run_train(*tiny, "seed=1", "ckpt_path=last")
     assert str(second) in proc.stdout and "nothing trained" in proc.stdout
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     import subprocess

@@ -5,8 +5,6 @@ and skips where the model was never prepared)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,20 +33,11 @@ def recipe(*overrides: str):
     return cfg
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("smollm2_recipe", ROOT / "benchmarks" / "smollm2_recipe.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["smollm2_recipe"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_recipe_composes_with_smollm2_lora_on_pickupobj_s5_and_its_settings():
     cfg = recipe()
     assert cfg.name == "smollm2"
     assert cfg.model._target_ == "agentopsd.models.load_policy" and cfg.model.path == "smollm2-135m"
-    assert cfg.model.dtype == "float32"
+    assert cfg.model.dtype == "auto"  # bf16 where the CPU has it natively (agentopsd/precision.py)
     assert dict(cfg.model.lora) == {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
     env = instantiate(cfg.env)
     assert isinstance(env, EnvConfig) and env.id == "agentopsd/BabyAI-PickupObjS5-v0"
@@ -102,7 +91,7 @@ def test_max_new_tokens_holds_every_babyai_action_in_smollm2s_tokenizer():
     assert max(lengths.values()) <= recipe().rollout.max_new_tokens, lengths
 
 
-def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(bench):
+def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(smollm2_recipe_bench):
     stamped = [
         (5.0, "[..][agentopsd.warmstart][INFO] - wrote 1200 demonstration turns to /x/demos.tar in 3.4s"),
         (200.0, "warm start: 48 steps in 190s, final loss 0.512"),
@@ -110,10 +99,10 @@ def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(bench)
         (700.0, "[..][agentopsd.callbacks.evaluation][INFO] - eval (periodic, after 1 iteration): success 0.100 on 20 episodes"),
         (900.0, "[..][agentopsd.callbacks.evaluation][INFO] - eval (end, after 2 iterations): success 0.450 on 20 episodes"),
     ]
-    parsed = bench.parse_output(stamped)
+    parsed = smollm2_recipe_bench.parse_output(stamped)
     assert (parsed["warm_start_steps"], parsed["warm_start_seconds"], parsed["demos_seconds"]) == (48, 190.0, 3.4)
     # iteration 1: 260.5 -> its shard at 710 holds 400 s of phases and the periodic evaluation (written after it)
-    evals = bench.eval_seconds(parsed["evals"], parsed["warm_start_done_at"], {1: 710.0, 2: 840.0}, {1: 400.0, 2: 120.0})
+    evals = smollm2_recipe_bench.eval_seconds(parsed["evals"], parsed["warm_start_done_at"], {1: 710.0, 2: 840.0}, {1: 400.0, 2: 120.0})
     assert [(e["when"], e["iteration"], e["success"], e["seconds"]) for e in evals] == [
         ("before training", 0, 0.05, 60.5), ("periodic", 1, 0.1, 49.5), ("end", 2, 0.45, 60.0)]
     rows = [{"step": "2.0", "perf/rollout_seconds": "30", "perf/teacher_seconds": "10", "perf/update_seconds": "60",
@@ -121,10 +110,10 @@ def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(bench)
             {"step": "0", "eval/success": "0.05"},  # an evaluation row: not an iteration
             {"step": "1.0", "perf/rollout_seconds": "40", "perf/teacher_seconds": "12", "perf/update_seconds": "70",
              "rollout/turns": "10", "rollout/trajectories": "16", "rollout/success": "0.125"}]
-    its = bench.csv_iterations(rows)
+    its = smollm2_recipe_bench.csv_iterations(rows)
     assert [(it.iteration, it.rollout, it.teacher, it.update, it.rows, it.success) for it in its] == [
         (1, 40.0, 12.0, 70.0, 160.0, 0.125), (2, 30.0, 10.0, 60.0, 136.0, 0.25)]
-    text = bench.markdown(bench.Result("python train.py +experiment=smollm2", "abc", "1", 0, 960.0, 3000.0, 48, 190.0, 3.4,
+    text = smollm2_recipe_bench.markdown(smollm2_recipe_bench.Result("python train.py +experiment=smollm2", "abc", "1", 0, 960.0, 3000.0, 48, 190.0, 3.4,
                                        evals, its))
     assert "| all 2 | 296 | 70 (32%) | 22 (10%) | 130 (59%) | 222 | | |" in text
     assert "48 steps in 190 s (4.0 s a step)" in text and "| end | 2 | 0.45 | 20 | 60.0 |" in text

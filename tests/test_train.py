@@ -63,6 +63,10 @@ def test_tiny_experiment_end_to_end(experiment, tiny_runs):
     assert "eval success:" in stdout
     assert (out / "checkpoints" / "last.ckpt").is_file()
     rows = metrics_rows(out)
+    from tests.test_docs import documented_metric_keys, metric_documented
+
+    columns = {k for r in rows for k in r if k != "step"}
+    assert not [k for k in columns if not metric_documented(k, documented_metric_keys())], "add them to docs/metrics.md"
     trained = [r for r in rows if r.get("rollout/iteration")]
     assert [float(r["rollout/iteration"]) for r in trained] == [1.0, 2.0]
     for row in trained:

@@ -65,3 +65,16 @@ class Generator(Protocol):
     def sync_weights(self, model: nn.Module) -> None:
         """Make the backend generate with ``model``'s current weights (after an optimizer step)."""
         ...
+
+
+def release_device_cache() -> None:
+    """Hand the blocks PyTorch's caching allocator keeps back to the GPU (nothing to do without CUDA).
+
+    Why: a colocated vLLM engine sleeps and wakes through its own allocator, outside PyTorch's; blocks the
+    update freed stay reserved in PyTorch's cache (the update's peak), so waking the engine beside them runs
+    out of memory. TRL empties the cache right before ``wake_up``; verl on entering rollout mode.
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

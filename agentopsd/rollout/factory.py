@@ -10,10 +10,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 from agentopsd.config import EnvConfig, RolloutConfig
 from agentopsd.distributed import is_distributed
+from agentopsd.rollout import base
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.prompts import PromptBuilder
@@ -35,9 +37,11 @@ def vllm_engine_kwargs(env: EnvConfig, rollout: RolloutConfig, *, seed: int, ite
 
 
 def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout: RolloutConfig, *, seed: int,
-                   model_path: str | None, iterations_done: int, weights_as_loaded: bool = True) -> Generator:
-    """vLLM (colocated, loading ``model_path``) or transformers on the policy itself, with the format-error
-    chaos wrapper when ``rollout.malformed_rate`` asks for it (transformers only)."""
+                   model_path: str | None, iterations_done: int, weights_as_loaded: bool = True,
+                   generation_dtype: torch.dtype | None = None) -> Generator:
+    """vLLM (colocated, loading ``model_path``) or transformers on the policy itself (or, with ``generation_dtype``,
+    on a copy of it in that dtype: :class:`agentopsd.precision.WeightPlan`), with the format-error chaos wrapper
+    when ``rollout.malformed_rate`` asks for it (transformers only)."""
     if rollout.backend == "vllm":
         from agentopsd.rollout.vllm_backend import VLLMGenerator
 
@@ -48,7 +52,7 @@ def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout:
     from agentopsd.rollout.hf import HFGenerator
 
     # several ranks: every rank runs every forward (the rank invariant, agentopsd.distributed)
-    generator = HFGenerator(model, tokenizer, synced_gpus=is_distributed())
+    generator = HFGenerator(model, tokenizer, synced_gpus=is_distributed(), weights_dtype=generation_dtype)
     if rollout.malformed_rate > 0:
         from agentopsd.rollout.chaos import MalformedGenerator
 
@@ -89,30 +93,27 @@ def make_collector(env: EnvConfig, generator: Generator, prompts: PromptBuilder,
 # ---- colocated vLLM (issue 28): sync before generating, sleep after --------------------------------------
 
 
-def release_device_cache() -> None:
-    """Hand the blocks PyTorch's caching allocator keeps back to the GPU (nothing to do without CUDA).
-
-    Why: a colocated vLLM engine sleeps and wakes through its own allocator, outside PyTorch's; blocks the
-    update freed stay reserved in PyTorch's cache (the update's peak), so waking the engine beside them runs
-    out of memory. TRL empties the cache right before ``wake_up``; verl on entering rollout mode.
-    """
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-
-
 def engine_sync(generator: Generator, model: nn.Module, step: int) -> None:
     """The generator's weights made the policy's (``step``: iterations done, so a vLLM engine skips a sync of
     the weights it already holds). Before a sleeping engine wakes, the gradients are dropped and PyTorch's
-    cached blocks released (:func:`release_device_cache`), so the engine finds the memory the update held."""
+    cached blocks released (:func:`agentopsd.rollout.base.release_device_cache`), so the engine finds the memory the update held."""
     if hasattr(generator, "sleep"):  # the vLLM engine: gradients go before it wakes; weights named by step
         for p in model.parameters():
             p.grad = None
-        release_device_cache()
+        base.release_device_cache()
         generator.sync_weights(model, step=step)
     else:
         generator.sync_weights(model)
+
+
+def generation_copy(collector: Collector | None) -> nn.Module | None:
+    """The lockstep collector's transformers generator's own copy of the weights (``generation_dtype``), which then
+    also scores the teacher view; None where the generator runs the policy itself (or is an engine), or where no
+    collector was built (asynchronous rollouts before an evaluation)."""
+    if collector is None:
+        return None
+    inner = getattr(collector.generator, "inner", collector.generator)  # the format-error chaos wrapper
+    return inner.model if getattr(inner, "weights_dtype", None) is not None else None
 
 
 def engine_sleep(generator: Generator) -> None:

@@ -14,7 +14,7 @@ sleep after every rollout. :func:`install` puts a fake ``vllm`` package in ``sys
   and its KV cache; ``wake_up(tags=...)`` brings them back;
 - shares a :class:`SimulatedDevice` with the trainer: every optimizer step fills the "caching allocator"
   (as the update's peak stays reserved in PyTorch's cache on a GPU), the trainer's
-  :func:`agentopsd.rollout.factory.release_device_cache` empties it, and waking the weights while the
+  :func:`agentopsd.rollout.base.release_device_cache` empties it, and waking the weights while the
   cache is full raises ``torch.OutOfMemoryError``, as vLLM's ``wake_up`` does on a full GPU.
 
 Every call is recorded in :attr:`FakeLLM.events` (and :data:`EVENTS`, across engines), so a test can
@@ -45,7 +45,7 @@ class SimulatedDevice:
     """The memory the sleep-mode dance is about: PyTorch's cached blocks and the engine's share.
 
     ``cached_bytes`` is what the caching allocator keeps after the update (filled by each optimizer step,
-    emptied by :func:`agentopsd.rollout.factory.release_device_cache`); ``engine_bytes`` what the engine
+    emptied by :func:`agentopsd.rollout.base.release_device_cache`); ``engine_bytes`` what the engine
     holds (its weights and KV cache awake, nothing asleep). Waking with a full cache is out of memory.
     """
 
@@ -209,13 +209,13 @@ def fake_vllm_modules(llm_class: type, *, sleep_available: bool | Callable[[], b
 def install(*, sleep_available: bool = True) -> types.ModuleType:
     """Put the fake ``vllm`` in ``sys.modules`` (undone by :func:`uninstall`), hook the simulated device to
     every optimizer step and to the trainer's cache release, and return the fake package."""
-    from agentopsd.rollout import factory
+    from agentopsd.rollout import base as rollout_base
 
     modules = fake_vllm_modules(FakeLLM, sleep_available=sleep_available)
     mod = modules["vllm"]
     if not _saved:
         _saved["modules"] = {name: sys.modules.get(name) for name in modules}
-        _saved["release"] = factory.release_device_cache
+        _saved["release"] = rollout_base.release_device_cache
         _saved["hook"] = register_optimizer_step_post_hook(_after_optimizer_step)
     sys.modules.update(modules)
     original = _saved["release"]
@@ -225,7 +225,7 @@ def install(*, sleep_available: bool = True) -> types.ModuleType:
         DEVICE.release()
         original()
 
-    factory.release_device_cache = release
+    rollout_base.release_device_cache = release
     reset()
     return mod
 
@@ -245,7 +245,7 @@ def reset() -> None:
 
 def uninstall() -> None:
     """Undo :func:`install`."""
-    from agentopsd.rollout import factory
+    from agentopsd.rollout import base as rollout_base
 
     if not _saved:
         return
@@ -254,6 +254,6 @@ def uninstall() -> None:
             sys.modules.pop(name, None)
         else:
             sys.modules[name] = module
-    factory.release_device_cache = _saved["release"]
+    rollout_base.release_device_cache = _saved["release"]
     _saved["hook"].remove()
     _saved.clear()

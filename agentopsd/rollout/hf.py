@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from agentopsd import distributed
+from agentopsd.precision import copy_weights, half_copy
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.scoring import (
     MIN_SHARED_PREFIX,
@@ -54,8 +55,12 @@ class HFGenerator:
     of decode steps (until every rank is done), and a call with no prompts still takes part.
     """
 
-    def __init__(self, model: nn.Module, tokenizer, *, synced_gpus: bool = False) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, tokenizer, *, synced_gpus: bool = False,
+                 weights_dtype: torch.dtype | None = None) -> None:
+        self.weights_dtype = weights_dtype
+        """None: generate with the policy itself. A dtype: with a copy of it in that dtype (float32 master weights,
+        a bf16 copy generating on a CPU with native bf16), refreshed by :meth:`sync_weights`."""
+        self.model = model if weights_dtype is None else half_copy(model, weights_dtype)
         self.tokenizer = tokenizer
         self.synced_gpus = synced_gpus
         self._pieces: list[str] | None = None
@@ -67,8 +72,12 @@ class HFGenerator:
         return self.synced_gpus
 
     def sync_weights(self, model: nn.Module) -> None:
-        """Generate with ``model`` from now on (normally the same object: nothing to copy)."""
-        self.model = model
+        """Generate with ``model``'s weights from now on: the object itself, or, with ``weights_dtype``, its weights
+        copied into the generation copy (before each rollout, as a vLLM engine is synced)."""
+        if self.weights_dtype is None:
+            self.model = model
+        else:
+            copy_weights(self.model, model)
 
     def score(self, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
               sampling: SamplingConfig) -> list[tuple[float, ...]]:

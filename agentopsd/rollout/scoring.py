@@ -518,7 +518,7 @@ class Scorer:
         return out
 
     def score_rollout(self, rb: RolloutBatch, *, recompute_old: bool, with_teacher: bool,
-                      tis_cap: float | None) -> tuple[float, Tensor | None]:
+                      tis_cap: float | None, teacher_model: nn.Module | None = None) -> tuple[float, Tensor | None]:
         """A rollout batch's no-grad scores, written into ``rb``: the behaviour log-probs recomputed by the
         trainer's forward when ``recompute_old`` (with truncated importance weights capped at ``tis_cap`` when
         one is given), the student's, and the teacher view's when ``with_teacher``. Returns the tokens scored
@@ -526,7 +526,9 @@ class Scorer:
 
         When the rollout engine scored the teacher view (``rb.engine_teacher_logprobs``, ``rollout.teacher_scoring=
         worker``), no teacher forward runs here: the evidence is that engine's teacher minus behaviour log-probs,
-        two views scored by the same weights (the ones that generated each turn)."""
+        two views scored by the same weights (the ones that generated each turn). ``teacher_model`` (the generator's
+        bf16 copy, :func:`agentopsd.rollout.factory.generation_copy`) scores the teacher view here the same way:
+        against the generator's own log-probs, so the gap compares two views of one set of weights."""
         scored, backend_gap = 0.0, None
         generated = rb.old_logprobs
         if recompute_old:
@@ -541,8 +543,10 @@ class Scorer:
         if with_teacher and rb.engine_teacher_logprobs is not None:
             rb.student_logprobs, rb.teacher_logprobs = generated, rb.engine_teacher_logprobs
         elif with_teacher:
-            rb.teacher_logprobs = self.action_logprobs(rb, "teacher")
+            rb.teacher_logprobs = self.action_logprobs(rb, "teacher", model=teacher_model)
             scored += float(rb.teacher_attention_mask.sum())
+            if teacher_model is not None:
+                rb.student_logprobs = generated
         return scored, backend_gap
 
     def logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, *, entropy: bool,
@@ -686,19 +690,22 @@ STALENESS_TIS_CAP = 2.0
 recipes use 2): stale turns must be corrected, so the weight cannot be left off there."""
 
 
-def effective_tis_cap(optim: OptimConfig, rollout: RolloutConfig) -> float | None:
+def effective_tis_cap(optim: OptimConfig, rollout: RolloutConfig, *, half_rollout: bool = False) -> float | None:
     """The cap of the truncated importance weights ``min(exp(log pi_old - log pi_behaviour), cap)``, or None
     where they do not apply.
 
     Two cases apply. An engine other than the trainer's forward generated the tokens (a cap is set, the backend
-    is not the transformers one, whose log-probs are the trainer's, and the behaviour log-probs are recomputed).
+    is not the transformers one, whose log-probs are the trainer's, or ``half_rollout``: the transformers one
+    generated from bf16 weights, :attr:`agentopsd.precision.WeightPlan.half_rollout`, and the behaviour
+    log-probs are recomputed, which the module forces then).
     Or ``rollout.max_staleness > 0``: the tokens came from weights up to k updates old, the old log-probs are
     the proximal policy's (the module forces the recompute), and the weight runs from behaviour to proximal
     (decoupled PPO), capped at ``optim.tis_cap``, or :data:`STALENESS_TIS_CAP` when that is 0.
     """
     if rollout.max_staleness > 0:
         return float(optim.tis_cap) if optim.tis_cap > 0 else STALENESS_TIS_CAP
-    if optim.tis_cap > 0 and rollout.backend != "hf" and rollout.recompute_old_logprobs:
+    engine = rollout.backend != "hf" and rollout.recompute_old_logprobs
+    if optim.tis_cap > 0 and (engine or half_rollout):
         return float(optim.tis_cap)
     return None
 

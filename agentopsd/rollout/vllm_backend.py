@@ -267,9 +267,9 @@ class VLLMGenerator:
             finally:
                 self.llm.collective_rpc(_drop_staged_weights_on_worker)
         if woke:
-            from agentopsd.rollout.factory import release_device_cache
+            from agentopsd.rollout import base
 
-            release_device_cache()  # the sync's gathered tensors, freed into PyTorch's cache: the KV cache needs the room
+            base.release_device_cache()  # the sync's gathered tensors, freed into PyTorch's cache: the KV cache needs the room
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         reset = getattr(self.llm, "reset_prefix_cache", None)

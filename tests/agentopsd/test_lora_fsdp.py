@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent('''
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from agentopsd.models import apply_lora
-    from agentopsd.module import frozen_copy
+    from agentopsd.strategies import frozen_copy
     from agentopsd.rollout.vllm_backend import iter_full_weights
     from agentopsd.strategies import prepare_policy
     from agentopsd.tokenizer import tiny_qwen2_config

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent('''
     import datetime, sys, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from agentopsd.models import load_policy
-    from agentopsd.module import frozen_copy
+    from agentopsd.strategies import frozen_copy
     from agentopsd.strategies import prepare_policy
 
     folder, case = sys.argv[1], sys.argv[2]

@@ -123,8 +123,8 @@ def test_update_with_shared_prefixes_equals_the_plain_update(tiny_walk_policy, m
     optimizer gets is the plain path's (random micro-batches, whole rows), up to float rounding.
     (Compared before the step: Adam's first step is lr * sign(g), which turns rounding noise in
     near-zero gradients into lr-sized differences.)"""
-    import agentopsd.module as module_mod
     import agentopsd.rollout.scoring as scoring_mod
+    import agentopsd.update as update_mod
 
     module = make_module(tiny_walk_policy, algorithm=Algorithm(), ppo_epochs=1, num_mini_batches=1, micro_batch_size=2)
     module.trainer = None
@@ -142,7 +142,7 @@ def test_update_with_shared_prefixes_equals_the_plain_update(tiny_walk_policy, m
                 name, {k: p.grad.clone() for k, p in module.model.named_parameters() if p.grad is not None}))
             if name == "plain":
                 m.setattr(scoring_mod, "checkpointing", lambda decoder: True)
-                m.setattr(module_mod, "sharing_order", lambda ids, attn: torch.arange(ids.shape[0]))
+                m.setattr(update_mod, "sharing_order", lambda ids, attn: torch.arange(ids.shape[0]))
             module.update(batch, 0)
     assert batch.num_rows > 2 and grads["plain"].keys() == grads["shared"].keys()
     assert any(g.abs().max() > 0 for g in grads["plain"].values())

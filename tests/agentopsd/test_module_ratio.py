@@ -47,3 +47,80 @@ def test_chunked_logits_reach_the_scorer_and_keep_the_update_on_policy(tiny_walk
     recorder = RatioRecorder()
     fit(module, 1, recorder)
     assert recorder.devs and max(recorder.devs) < 1e-5
+
+
+class GapRecorder(L.Callback):
+    """Each iteration's first-ratio deviation, the rollout's generator/update log-prob gap, and whether a generation
+    copy held the master weights (in its dtype) when it played the rollout (checked after it, before the update)."""
+
+    def __init__(self) -> None:
+        self.devs: list[float] = []
+        self.gaps: list[float] = []
+        self.synced: list[bool] = []
+        self.student_is_generated: list[bool] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        from agentopsd.rollout import factory
+
+        # the credit's student side: the generator's own log-probs where its copy scored the teacher view, not the
+        # recomputed float32 ones (the gap must compare two views of one set of weights)
+        self.student_is_generated.append(not torch.equal(batch.student_logprobs, batch.old_logprobs))
+
+        copy = factory.generation_copy(pl_module.rollouts.built_collector)
+        if copy is not None:
+            self.synced.append(all(torch.equal(a, b.to(a.dtype)) for a, b in zip(copy.parameters(), pl_module.model.parameters())))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.devs.append(pl_module.first_ratio_dev)
+        self.gaps.append(pl_module.rollout_metrics.get("rollout/logprob_diff_mean", float("nan")))
+
+
+def test_first_ratio_is_one_with_bf16_rollouts_and_a_float32_update(tiny_walk_policy):
+    """Full fine-tuning under model.dtype=bfloat16 on a CPU (agentopsd/precision.py): a bf16 copy generates and scores
+    the teacher view, the float32 master weights update. The old log-probs are recomputed by the update's float32
+    forward, so each iteration's first ratio is 1, and the copy's gap from it is logged. Planted defect: with the
+    recompute off (the bf16 generator's log-probs taken as the old ones) the first ratio starts away from 1."""
+    from agentopsd.precision import WeightPlan
+    from agentopsd.rollout import factory
+
+    module = make_module(tiny_walk_policy, iterations=2)
+    module.weight_plan = WeightPlan(generation_dtype=torch.bfloat16)
+    assert module.tis_cap is None  # optim.tis_cap=0: no TIS unless configured
+    recorder = GapRecorder()
+    fit(module, 2, recorder)
+    assert len(recorder.devs) == 2
+    assert max(recorder.devs) < 1e-4, recorder.devs
+    assert all(g > 1e-4 for g in recorder.gaps), recorder.gaps  # bf16 generation against the float32 update: measured
+    assert recorder.synced == [True, True]  # the second rollout played the first update's weights
+    assert recorder.student_is_generated == [True, True]  # the bf16 copy scored the teacher view
+    assert {p.dtype for p in module.model.parameters()} == {torch.float32}
+    copy = factory.generation_copy(module.collector)
+    assert copy is not None and {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+
+
+def test_tis_applies_to_bf16_rollouts_where_configured(tiny_walk_policy):
+    from agentopsd.precision import WeightPlan
+
+    module = make_module(tiny_walk_policy, tis_cap=2.0)
+    assert module.tis_cap is None  # one float32 policy: the generator's log-probs are the trainer's
+    module.weight_plan = WeightPlan(frozen_half=True)
+    assert module.tis_cap == 2.0 and module.recompute_old_logprobs
+
+
+def test_first_ratio_is_near_one_with_a_bf16_lora_base(tiny_walk_policy):
+    """LoRA over a bf16 base (model.dtype=auto on a CPU with native bf16): configure_model keeps the base bf16 and the
+    adapters float32, and the recomputed old log-probs keep the first ratio at 1 (one micro-batch: no bf16 batching noise).
+    Planted defect: the bf16 decode's own log-probs as the old ones put it about 1e-3 away."""
+    from agentopsd.models import apply_lora
+    from agentopsd.precision import WeightPlan
+
+    model, tokenizer = tiny_walk_policy
+    model = apply_lora(model.to(torch.bfloat16), {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"})
+    module = make_module((model, tokenizer), iterations=2, num_mini_batches=1, micro_batch_size=64)
+    module.weight_plan = WeightPlan(frozen_half=True)
+    recorder = GapRecorder()
+    fit(module, 2, recorder)
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    assert max(recorder.devs) < 1e-4, recorder.devs  # 0 measured; about 1e-3 with the generator's log-probs as the old ones
+    assert all(g > 0 for g in recorder.gaps), recorder.gaps

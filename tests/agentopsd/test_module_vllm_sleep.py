@@ -17,7 +17,8 @@ from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.module import AgentRLModule
 from agentopsd.oom import DeviceOutOfMemory
-from agentopsd.rollout import factory, fake_engine
+from agentopsd.rollout import base as rollout_base
+from agentopsd.rollout import fake_engine
 from tests.agentopsd.test_module import fit
 from tests.conftest import TOY_ID, WALK_SKILLS
 
@@ -82,7 +83,7 @@ def test_two_iterations_and_an_evaluation_sync_sleep_release_and_wake_in_order(f
 
 def test_a_skipped_cache_release_runs_out_of_memory_when_the_engine_wakes(fake_vllm, policy_folder, monkeypatch):
     """The regression of waking the engine beside the update's cached blocks: the simulated device refuses."""
-    monkeypatch.setattr(factory, "release_device_cache", lambda: None)
+    monkeypatch.setattr(rollout_base, "release_device_cache", lambda: None)
     module = vllm_module(policy_folder)
     with pytest.raises(DeviceOutOfMemory, match=r"rank 0 of 1 ran out of device memory during rollout: simulated"):
         fit(module, 2)

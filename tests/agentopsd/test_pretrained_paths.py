@@ -235,9 +235,9 @@ from the untrained one's: at 1e-4 they were the same, and an evaluation of the w
 LORA_R8 = "model.lora={r:8,alpha:16,target_modules:all-linear}"
 EVAL_PROTOCOL = ["model=smollm2-135m", "experiment=none", "env=babyai", "rollout=hf", "trainer=cpu", "env.max_turns=2",
                  "rollout.max_new_tokens=16", "evaluation.num_tasks=2", "trainer.enable_progress_bar=false"]
-"""What decides the evaluation (environment, turns, tokens, tasks, seed 0), as SHORT_RUN has it. agentopsd-eval
-composes its config from these, not from the run's saved config: without them ``ckpt_path=<run>`` evaluates the
-quickstart's environment (PickupObj, 100 tasks)."""
+"""What decides the evaluation (environment, turns, tokens, tasks, seed 0), as SHORT_RUN has it. agentopsd-eval of
+a model folder composes its config from these; of ``ckpt_path=<run>`` it takes the run's saved config, which they
+agree with (without them a model folder would play the quickstart's environment, PickupObj, 100 tasks)."""
 PLAN_TOLERANCE = 4.0
 """The memory plan counts a GPU's worst case: every row padded to env.max_prompt_tokens + rollout.max_new_tokens
 (1040 tokens; these rows are about 250), LoRA's gradients and AdamW states as if every weight trained, and a 2 GiB

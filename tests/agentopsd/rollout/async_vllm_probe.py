@@ -105,7 +105,7 @@ def main(workdir: str, out_path: str) -> int:
             snapshots[it] = copy.deepcopy(pl_module.model).eval()  # version it: the weights before this update
             record["versions"][str(it)] = [turn.policy_version for t in batch.trajectories for turn in t.turns]
             record["turns"][it] = [turn for t in batch.trajectories for turn in t.turns]
-            record["pid"] = pl_module._producer.process.pid
+            record["pid"] = pl_module.rollouts.worker.process.pid
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             record["first_ratio_dev"].append(float(pl_module.first_ratio_dev))
@@ -116,7 +116,7 @@ def main(workdir: str, out_path: str) -> int:
     trainer.fit(module, datamodule=TaskDataModule(ENV_ID, tasks_per_batch=2, group_size=2, num_iterations=ITERATIONS))
     record["fit_seconds"] = round(time.perf_counter() - t0, 1)
     time.sleep(0.5)
-    record["producer_kept"] = module._producer is not None
+    record["producer_kept"] = module._rollouts is not None
     record["worker_alive_after_teardown"] = _alive(record["pid"])
     own, v0_gaps, after_v0 = [], [], 0
     for turns in record.pop("turns").values():

@@ -109,7 +109,7 @@ def test_staleness_never_exceeds_k_and_the_worker_runs_ahead(tiny_walk_policy, k
     # every task of the loader's stream, once, in order: none lost, none repeated
     for it, tasks in recorder.tasks.items():
         assert tasks == sample_tasks(TOY_ID, module.trainer.datamodule.num_tasks, 2, 3, it, seed=0)
-    assert module._producer is None  # teardown ended the worker
+    assert module._rollouts is None  # teardown ended the worker
 
 
 class TransportProbe(L.Callback):
@@ -120,7 +120,7 @@ class TransportProbe(L.Callback):
         self.sent: list[int] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        producer = pl_module._producer
+        producer = pl_module.rollouts.worker
         self.transport = producer.transport
         self.sent.append(producer.sender.count if producer.sender is not None else -1)
 
@@ -137,7 +137,7 @@ def test_the_collective_transport_end_to_end(tiny_walk_policy):
     for it, versions in recorder.versions.items():
         assert versions and all(0 <= it - v <= k for v in versions), (it, versions)
     assert min(recorder.versions[2]) >= 1  # version 1 reached the worker through the collective
-    assert module._producer is None
+    assert module._rollouts is None
 
 
 def test_lockstep_turns_record_their_iteration(tiny_walk_policy):
@@ -201,8 +201,8 @@ class KillWorker(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if pl_module.iteration == 0:
-            os.kill(pl_module._producer.process.pid, signal.SIGKILL)
-            pl_module._producer.process.join(10)
+            os.kill(pl_module.rollouts.worker.process.pid, signal.SIGKILL)
+            pl_module.rollouts.worker.process.join(10)
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "collective"])

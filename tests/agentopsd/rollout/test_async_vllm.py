@@ -131,11 +131,11 @@ def test_the_module_hands_the_worker_its_model_path_and_a_warm_start(policy_fold
     ``model.path`` and is synced to the policy's own weights before its first generate (``weights_as_loaded``)."""
     import lightning as L
 
-    from agentopsd import module as module_lib
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
     from agentopsd.credit.algorithms import Algorithm
     from agentopsd.module import AgentRLModule
     from agentopsd.rollout import fake_engine
+    from agentopsd.rollout import source as source_lib
     from agentopsd.rollout.async_rollout import WorkerSpec
     from tests.agentopsd.rollout.test_async_rollout import fit
     from tests.conftest import TOY_ID, WALK_SKILLS
@@ -151,7 +151,7 @@ def test_the_module_hands_the_worker_its_model_path_and_a_warm_start(policy_fold
 
     fake_engine.install(sleep_available=True)  # this process too: the module checks the backend it was given
     try:
-        monkeypatch.setattr(module_lib, "WorkerSpec", functools.partial(
+        monkeypatch.setattr(source_lib, "WorkerSpec", functools.partial(
             WorkerSpec, worker_init=functools.partial(fake_engine.install, sleep_available=True)))
         module = AgentRLModule(
             warm, tokenizer, algorithm=Algorithm(),
@@ -163,7 +163,7 @@ def test_the_module_hands_the_worker_its_model_path_and_a_warm_start(policy_fold
         fit(module, 2, Recorder())
     finally:
         fake_engine.uninstall()
-    assert module._producer is None
+    assert module._rollouts is None
     assert turns and {turn.policy_version for turn in turns} <= {0, 1}
     gaps = [turn_gap(snapshots[turn.policy_version], turn) for turn in turns]
     folder_gaps = [turn_gap(folder_model.eval(), turn) for turn in turns if turn.policy_version == 0]

@@ -1,0 +1,185 @@
+"""Which precision the policy's weights are stored and run in (``model.dtype``), decided once from the device, the
+processor's flags and what the config asks, with the reason said in one log line.
+
+Why flags and not a probe: a bf16 matmul is fast on a CPU only where the processor computes in bf16 natively
+(``avx512_bf16``, or AMX's ``amx_bf16``). Elsewhere oneDNN emulates it through float32 and it is slower than
+float32 itself (an Intel Xeon with avx512_vnni but no avx512_bf16: 512x576 @ 576x1536 took 0.0294 s in bf16
+against 0.0116 s in float32, 2 threads), while ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` still says True
+there: it answers "can run", not "runs fast".
+
+What a bf16 choice means on a CPU under ``trainer.precision=32-true`` (:func:`weight_plan`):
+
+- LoRA: the frozen base (and with it the KL reference, a copy of the policy) is stored in bf16; the adapters and
+  their AdamW states stay float32 (peft keeps adapters float32 over a half-precision base). Rollout, teacher
+  scoring and update all run this one model.
+- Full fine-tuning: float32 master weights (the update, the optimizer, the reference) and a bf16 copy that
+  generates and scores the teacher view, refreshed from the master weights before each rollout
+  (:func:`copy_weights`), as a vLLM engine is synced.
+
+Either way the rollout's log-probs are not the update forward's numerics, so the module recomputes the old
+log-probs in the update's precision (and weighs tokens by truncated importance weights where ``optim.tis_cap``
+is set), as a GPU run does for its engine. GPUs and the mixed precisions keep ``model.dtype`` as a loading dtype
+(``trainer.precision`` sets the compute there).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
+"""The values ``model.dtype`` takes."""
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 flags (``/proc/cpuinfo``) of a processor that computes bf16 matmuls natively."""
+
+FLOAT32_PRECISIONS = ("32-true", "32")
+"""``trainer.precision`` values without autocast: the weights' own dtype is the compute dtype."""
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What ``model.dtype`` resolved to: ``dtype`` is one of float32, bfloat16, float16 or auto (the checkpoint's
+    own, on a GPU), and ``reason`` says why in words for the log line."""
+
+    dtype: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """How the module holds and uses the weights (:func:`weight_plan`)."""
+
+    frozen_half: bool = False
+    """The frozen weights (a LoRA base) stay bf16: no float32 upcast of them before training."""
+    generation_dtype: torch.dtype | None = None
+    """A separate copy in this dtype generates and scores the teacher view (full fine-tuning); None: the policy."""
+
+    @property
+    def half_rollout(self) -> bool:
+        """The rollout's forwards run on bf16 weights, so its log-probs are not the update's: recompute them."""
+        return self.frozen_half or self.generation_dtype is not None
+
+
+FLOAT32_PLAN = WeightPlan()
+"""Today's behaviour: one float32 policy does everything."""
+
+
+def read_cpu_flags(path: str | Path = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's feature flags (x86 ``flags``, ARM ``Features``); empty where the file is missing
+    (macOS, Windows): there the choice falls back to float32."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def native_bf16(flags: frozenset[str]) -> bool:
+    """The processor computes bf16 matmuls natively (:data:`NATIVE_BF16_FLAGS`)."""
+    return any(f in flags for f in NATIVE_BF16_FLAGS)
+
+
+def device_type(accelerator: str) -> str:
+    """``trainer.accelerator`` as the device type the forwards run on: ``cpu`` or ``cuda``."""
+    if accelerator in ("gpu", "cuda"):
+        return "cuda"
+    if accelerator == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cpu"
+
+
+def check_dtype(requested: str) -> None:
+    """One line naming the fix for an unknown ``model.dtype``."""
+    if requested not in DTYPE_NAMES:
+        raise ValueError(f"model.dtype={requested!r} is not one of {', '.join(DTYPE_NAMES)}: set model.dtype=auto "
+                         "(bf16 where the CPU computes it natively, float32 otherwise) or model.dtype=float32")
+
+
+def choose_precision(requested: str, device: str, flags: frozenset[str]) -> PrecisionChoice:
+    """``model.dtype`` resolved for ``device`` (``cpu`` or ``cuda``) and a processor with ``flags``.
+
+    An explicit dtype is kept as asked. ``auto`` on a CPU: bf16 where the processor has native bf16, else
+    float32 (emulated bf16 is slower than float32); ``auto`` on a GPU: the checkpoint's own dtype, as
+    ``from_pretrained`` reads it (``trainer.precision`` sets the compute there)."""
+    check_dtype(requested)
+    if requested != "auto":
+        return PrecisionChoice(requested, f"model.dtype={requested} forces it")
+    if device != "cpu":
+        return PrecisionChoice("auto", f"on {device} the checkpoint's dtype; trainer.precision sets the compute")
+    found = [f for f in NATIVE_BF16_FLAGS if f in flags]
+    if found:
+        return PrecisionChoice("bfloat16", f"the CPU computes bf16 natively ({', '.join(found)})")
+    return PrecisionChoice("float32", f"the CPU has no native bf16 ({' or '.join(NATIVE_BF16_FLAGS)}), "
+                                      "where bf16 matmuls run slower than float32")
+
+
+def loading_dtype(choice: PrecisionChoice, requested: str, *, lora: bool) -> str:
+    """The dtype ``from_pretrained`` loads in. An explicit ``model.dtype`` is that dtype (as before: bfloat16 halves
+    host memory, a mixed precision upcasts it). ``auto`` choosing bf16 loads a LoRA base in bf16, but full
+    fine-tuning's weights in float32: they are the master weights, and the bf16 copy is made from them."""
+    if requested != "auto" or choice.dtype != "bfloat16":
+        return choice.dtype
+    return "bfloat16" if lora else "float32"
+
+
+def weight_plan(choice: PrecisionChoice, *, device: str, trainer_precision: str, lora: bool, sharded: bool) -> WeightPlan:
+    """How a run holds its weights (see the module docstring): bf16 storage only for a bf16 choice on a CPU under
+    a float32 ``trainer.precision`` without FSDP; everything else keeps today's plan (a mixed precision autocasts
+    float32 master weights; FSDP2 shards one float32 policy)."""
+    if choice.dtype != "bfloat16" or device != "cpu" or str(trainer_precision) not in FLOAT32_PRECISIONS or sharded:
+        return FLOAT32_PLAN
+    return WeightPlan(frozen_half=True) if lora else WeightPlan(generation_dtype=torch.bfloat16)
+
+
+def describe(choice: PrecisionChoice, requested: str, *, lora: bool, device: str) -> str:
+    """The one log line: which precision and why, and what it means for the weights."""
+    if choice.dtype == "bfloat16" and device == "cpu":
+        what = ("frozen base weights in bf16, LoRA adapters and optimizer states float32" if lora else
+                "float32 master weights, a bf16 copy generates and scores (under trainer.precision=32-true)")
+    else:
+        what = f"weights loaded as {choice.dtype}"
+    return f"model.dtype={requested}: {choice.dtype} ({choice.reason}); {what}"
+
+
+def plan_for_config(cfg) -> WeightPlan:
+    """The :class:`WeightPlan` a composed run config describes (the same :func:`choose_precision` that
+    ``load_policy`` made from ``model.dtype``, with ``trainer.accelerator``, ``trainer.precision`` and the strategy)."""
+    model, trainer = cfg.model, cfg.trainer
+    requested = str(model.get("dtype", "float32") or "float32")  # the tiny model has no dtype: float32
+    device = device_type(str(trainer.get("accelerator", "cpu")))
+    choice = choose_precision(requested, device, read_cpu_flags())
+    strategy = trainer.get("strategy")
+    target = str(strategy.get("_target_", "")) if hasattr(strategy, "get") else str(strategy or "")
+    return weight_plan(choice, device=device, trainer_precision=str(trainer.get("precision", "32-true")),
+                       lora=bool(model.get("lora")), sharded=target.endswith("FSDP2Strategy"))
+
+
+def half_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A frozen copy of ``model`` with its parameters in ``dtype``, for generation and scoring (the master weights
+    stay as they are). Buffers keep their dtype: the rotary ``inv_freq`` is float32 in a model loaded in bf16 too."""
+    out = copy.deepcopy(model).requires_grad_(False).eval()
+    for p in out.parameters():  # each tied parameter once
+        p.data = p.data.to(dtype)
+    return out
+
+
+@torch.no_grad()
+def copy_weights(dst: nn.Module, src: nn.Module) -> None:
+    """``dst``'s parameters and buffers made ``src``'s, cast to ``dst``'s dtypes (the two share one architecture)."""
+    for (name, a), (other, b) in zip(dst.state_dict(keep_vars=True).items(), src.state_dict(keep_vars=True).items()):
+        if name != other:
+            raise ValueError(f"the generation copy's {name} met the policy's {other}: not the same architecture")
+        if a.data_ptr() != b.data_ptr():
+            a.copy_(b)
