@@ -5,11 +5,11 @@
     python train.py algorithm=grpo env=searchqa  # swap any config group
     python train.py ckpt_path=last               # resume the latest run of this name
 
-The run itself (compose, validate, seed, instantiate, fit, evaluate, report) is agentopsd/train.py;
+The run itself (compose, validate, seed, instantiate, fit, evaluate, report) is agentopsd/run/train.py;
 the configs are conf/.
 """
 
-from agentopsd.train import cli
+from agentopsd.run.train import cli
 
 if __name__ == "__main__":
     cli()

@@ -201,7 +201,7 @@ class OptimConfig:
     1,024). Same values and gradients. Not for algorithms that keep the full logits (``grpo_opsd``). 0 = off."""
     offload_optimizer: bool = False
     """Keep AdamW's states in host memory outside the update (verl's ``optimizer_offload``): moved out after
-    each update and back before the next (``agentopsd.offload``), so vLLM's share (rollout, evaluation) and the
+    each update and back before the next (``agentopsd.training.offload``), so vLLM's share (rollout, evaluation) and the
     states never sit on the GPU together. Costs two host/device copies of the states per iteration (pinned)."""
     defer_grad_reduction: bool = False
     """Under FSDP2 (``trainer=fsdp``), reduce-scatter the gradients once per mini-batch, at its last micro-batch,
@@ -209,7 +209,7 @@ class OptimConfig:
     layer meanwhile (the whole model's, in float32): for small models, or many micro-batches. No effect elsewhere."""
     balance_tokens: bool = True
     """Under several processes, move rows between ranks before the update so that every rank holds about the same
-    tokens (:mod:`agentopsd.balance`; trajectories kept whole where that balances): the update runs as many
+    tokens (:mod:`agentopsd.training.balance`; trajectories kept whole where that balances): the update runs as many
     micro-batches on every rank as on the busiest one. The gradient does not depend on where a row lives; which
     rows share a mini-batch does. Costs one or two gathers per update. No effect on one process."""
     skip_zero_advantage: bool = False

@@ -99,7 +99,7 @@ class Trajectory:
 class RolloutBatch:
     """Tensors of one iteration's rollouts, ready for the update.
 
-    Built by :func:`agentopsd.data.collate_trajectories`; the teacher forward fills
+    Built by :func:`agentopsd.training.data.collate_trajectories`; the teacher forward fills
     ``teacher_logprobs``/``student_logprobs`` and the credit callback fills the advantages.
     """
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+from agentopsd.run.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
 
 # no core pinning: pinned to one core, the engine slowed down whenever another job ran there, while
 # the transformers side moved to the idler core; OMP_NUM_THREADS then sets its threads, as for torch
@@ -130,9 +130,9 @@ def forward_ab(args) -> None:
     import torch
 
     import agentopsd.envs  # noqa: F401
+    from agentopsd.models.tiny import tiny_policy
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
-    from agentopsd.tiny import tiny_policy
     from benchmarks.step import whole_model_forward
 
     torch.set_num_threads(1)
@@ -179,10 +179,10 @@ def main() -> None:
     import transformers
 
     import agentopsd.envs  # noqa: F401
+    from agentopsd.models.tiny import tiny_policy
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
     from agentopsd.rollout.vllm_backend import VLLMGenerator
-    from agentopsd.tiny import tiny_policy
 
     torch.set_num_threads(1)
     model, tokenizer = tiny_policy(ENV_ID, skills="babyai", **QUICKSTART_MODEL)

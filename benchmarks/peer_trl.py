@@ -54,9 +54,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import agentopsd.envs  # noqa: E402,F401  (registers the agentopsd/* ids)
-from agentopsd.data import sample_tasks  # noqa: E402
 from agentopsd.envs.babyai.env import BabyAIEnv  # noqa: E402
 from agentopsd.rollout.prompts import PromptBuilder, parse_action  # noqa: E402
+from agentopsd.training.data import sample_tasks  # noqa: E402
 
 LEVEL = "PickupObj"
 EPISODE_ID = f"agentopsd/BabyAI-{LEVEL}-v0"
@@ -210,7 +210,7 @@ def project_module(setup: PeerSetup, model, tokenizer, *, multi_turn: int = 0):
     """The project's LightningModule for the shared setup (GRPO, one optimizer step per iteration)."""
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
     from agentopsd.credit.algorithms import Algorithm
-    from agentopsd.module import AgentRLModule
+    from agentopsd.training.module import AgentRLModule
 
     module = AgentRLModule(
         copy.deepcopy(model), tokenizer, algorithm=Algorithm(),
@@ -228,7 +228,7 @@ def project_module(setup: PeerSetup, model, tokenizer, *, multi_turn: int = 0):
 def project_run(setup: PeerSetup, model, tokenizer, *, multi_turn: int = 0) -> list[Phases]:
     """``setup.iterations`` iterations of the project's Lightning trainer; phases per iteration."""
     from agentopsd.callbacks.credit import CreditCallback
-    from agentopsd.data import TaskStream
+    from agentopsd.training.data import TaskStream
 
     module = project_module(setup, model, tokenizer, multi_turn=multi_turn)
     clock = _LightningClock()
@@ -476,7 +476,7 @@ def setup_problems(setup: PeerSetup, model, tokenizer) -> list[str]:
 
 def compare(setup: PeerSetup, rounds: int, multi_turn: int = 0) -> tuple[Phases, Phases]:
     """Both sides, alternating for ``rounds`` rounds; each side's fastest steady-state round."""
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
 
     model, tokenizer = tiny_policy(EPISODE_ID, skills="babyai", **setup.model)
     ours, theirs = [], []
@@ -556,7 +556,7 @@ def main() -> None:
     torch.set_num_threads(1)  # one thread per side; the sides take turns
     setup = PeerSetup(iterations=args.iterations, max_new_tokens=args.max_new_tokens)
     if args.check_setup:
-        from agentopsd.tiny import tiny_policy
+        from agentopsd.models.tiny import tiny_policy
 
         problems = setup_problems(setup, *tiny_policy(EPISODE_ID, skills="babyai", **setup.model))
         print("\n".join(problems) if problems else "SAME WORK: prompts, order and settings agree")

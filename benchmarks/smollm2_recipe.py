@@ -233,9 +233,9 @@ def micro_rows(tokenizer) -> tuple[list[list[int]], list[list[int]], list[list[i
     import gymnasium as gym
 
     import agentopsd.envs  # noqa: F401
+    from agentopsd.models.warmstart import _reply
     from agentopsd.rollout.prompts import PromptBuilder
     from agentopsd.rollout.skills import SkillBank
-    from agentopsd.warmstart import _reply
 
     builder = PromptBuilder(tokenizer, output_format="action", history_window=0, show_admissible=False,
                             system_prompt="Act in the grid world.")
@@ -307,11 +307,11 @@ def _phases(path: str, dtype: str) -> tuple[dict[str, object], dict[str, int]]:
     ``model.dtype=auto`` gives on a CPU with native bf16) and a callable per phase; the rows' mean lengths."""
     import torch
 
-    from agentopsd.models import load_policy
+    from agentopsd.models.loading import load_policy
+    from agentopsd.models.warmstart import _train
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
     from agentopsd.rollout.scoring import continuation_logprobs
-    from agentopsd.warmstart import _train
 
     model, tokenizer = load_policy(path, dtype=dtype, lora=LORA)
     pad = tokenizer.pad_token_id
@@ -347,13 +347,13 @@ def micro(model: str = "smollm2", repeats: int = 3) -> dict[str, object]:
 
     import torch
 
-    from agentopsd.precision import NATIVE_BF16_FLAGS, read_cpu_flags
+    from agentopsd.training.precision import NATIVE_BF16_FLAGS, read_cpu_flags
 
     with tempfile.TemporaryDirectory() as tmp:
         path = "smollm2-135m"
         if model == "tiny":
             import agentopsd.envs  # noqa: F401  (the tokenizer is trained on PickupObj's text)
-            from agentopsd.tiny import tiny_policy
+            from agentopsd.models.tiny import tiny_policy
 
             tiny, tokenizer = tiny_policy("agentopsd/BabyAI-PickupObj-v0", skills="babyai", **TINY_MODEL)
             tiny.save_pretrained(tmp)

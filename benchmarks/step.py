@@ -37,12 +37,12 @@ import torch
 import agentopsd.envs  # noqa: F401
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import AgentOPSD, Algorithm
-from agentopsd.data import collate_trajectories, sample_tasks
-from agentopsd.module import AgentRLModule
+from agentopsd.models.tiny import tiny_policy
 from agentopsd.rollout import hf
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
-from agentopsd.tiny import tiny_policy
+from agentopsd.training.data import collate_trajectories, sample_tasks
+from agentopsd.training.module import AgentRLModule
 from agentopsd.types import TaskSpec
 
 
@@ -146,8 +146,8 @@ def quickstart_collector():
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from agentopsd import runs
-    from agentopsd.warmstart import warm_start
+    from agentopsd.models.warmstart import warm_start
+    from agentopsd.run import folders as runs
 
     runs.register_resolvers()
     root = Path(__file__).resolve().parents[1]

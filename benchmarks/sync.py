@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+from agentopsd.run.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
 
 set_vllm_defaults()
 

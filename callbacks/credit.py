@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from agentopsd.credit.algorithms import Algorithm
-from agentopsd.distributed import reduce_metrics
+from agentopsd.training.distributed import reduce_metrics
 
 
 def credit_statistics(credit: Mapping[str, Tensor], success: Tensor, band: float) -> dict[str, float]:

@@ -8,7 +8,7 @@ Safe points, each reached by every rank together (the stop request is agreed by 
 - between turns of an evaluation: the evaluation is dropped.
 The wait is bounded by one turn of generation, or by the rest of one update when the signal
 arrives during it. Then ``last.ckpt`` is written and the run raises
-:class:`agentopsd.preemption.Preempted`, which ``train.py`` turns into a message and exit status
+:class:`agentopsd.training.preemption.Preempted`, which ``train.py`` turns into a message and exit status
 128 + the signal number. ``ckpt_path=last`` resumes.
 
 A stop never waits forever: a second signal, or ``grace_s`` seconds after the first without a safe
@@ -30,7 +30,7 @@ import threading
 import lightning as L
 
 from agentopsd.callbacks.checkpoint import IterationCheckpoint
-from agentopsd.preemption import STOP_SIGNALS, Preempted, StopRequest
+from agentopsd.training.preemption import STOP_SIGNALS, Preempted, StopRequest
 
 log = logging.getLogger(__name__)
 

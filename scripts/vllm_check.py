@@ -4,7 +4,7 @@ Run with the python of the vLLM venv (``bash scripts/build_vllm_cpu_env.sh`` bui
 
     .venv-vllm/bin/python scripts/vllm_check.py [--json-out FILE] [--no-collector]
 
-What it checks, on the tiny policy built the project way (``agentopsd.tiny.tiny_policy``) and saved
+What it checks, on the tiny policy built the project way (``agentopsd.models.tiny.tiny_policy``) and saved
 with ``save_pretrained``:
 
 (a) a batch of sampled turns (collector-like ``SamplingConfig``: stop strings, temperature 1, seed)
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+from agentopsd.run.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
 
 set_vllm_defaults()
 
@@ -47,7 +47,7 @@ VALID_REASONS = {"stop", "eos", "length"}
 def build_policy(workdir: Path, env_id: str) -> tuple[Any, Any, Path]:
     """The tiny policy and tokenizer the project way, saved where vLLM can load them."""
     import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
 
     model, tokenizer = tiny_policy(env_id, skills="babyai", text_episodes=10, cache_dir=str(workdir / "tokenizers"))
     path = workdir / "policy"

@@ -8,7 +8,7 @@ Run under torchrun, one process per device (``scripts/gpu_check.sh`` runs it)::
 
 Each rank starts its own engine (``external_launcher``, in this process), shards the policy with FSDP2 and
 runs ``--cycles`` full cycles of what the trainer does (:mod:`agentopsd.rollout.factory`'s ``engine_sync``
-and ``engine_sleep``, the calls :class:`agentopsd.module.AgentRLModule` makes): generate, sleep, ``--train-steps``
+and ``engine_sleep``, the calls :class:`agentopsd.training.module.AgentRLModule` makes): generate, sleep, ``--train-steps``
 AdamW steps at ``--lr``, the update's peak left in PyTorch's cache, sync (cache released, weights woken and
 loaded, KV cache woken), generate again. What it asserts, each a named check in ``DIR/rank<r>.json``:
 
@@ -46,7 +46,7 @@ for path in (ROOT, ROOT / "scripts"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-from agentopsd.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
+from agentopsd.run.process_env import set_vllm_defaults  # noqa: E402  (imports neither torch nor vllm)
 
 set_vllm_defaults()
 
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
     from transformers import AutoModelForCausalLM
 
     import agentopsd.envs  # noqa: F401  (registers the agentopsd/* ids)
-    from agentopsd.models import load_tokenizer
+    from agentopsd.models.loading import load_tokenizer
     from agentopsd.rollout import base as rollout_base
     from agentopsd.rollout import factory
     from agentopsd.rollout.base import SamplingConfig
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
             factory.engine_sleep(gen)
             timings["sleep"].append(time.perf_counter() - t)
             if args.engine == "fake":
-                from agentopsd.rollout import fake_engine
+                from tests.fakes import fake_engine
 
                 share = fake_engine.DEVICE.freed_by_sleep[-1]
             else:
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace, plant: str, out: dict[str, Any]) -> None:
                    f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
             _empty_cache(device)
             if args.engine == "fake":
-                from agentopsd.rollout import fake_engine
+                from tests.fakes import fake_engine
 
                 fake_engine.DEVICE.release()
             gen.asleep = True  # it woke nothing: wake and load again
@@ -325,7 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per rank")
     p.add_argument("--engine", choices=("real", "fake"), default="real",
-                   help="fake: agentopsd.rollout.fake_engine (sleep mode on CPU)")
+                   help="fake: tests.fakes.fake_engine (sleep mode on CPU)")
     p.add_argument("--model-path", default=None, help="a model folder (default: the tiny BabyAI policy, built here)")
     p.add_argument("--env-id", default=None,
                    help="the prompts' environment (default: BabyAI, the tiny policy's; WebShop needs no minigrid)")
@@ -385,7 +385,7 @@ def run_leg(args: argparse.Namespace, leg: str) -> dict[str, Any]:
     out: dict[str, Any] = {"checks": {}}
     release = rollout_base.release_device_cache
     if args.engine == "fake":
-        from agentopsd.rollout import fake_engine
+        from tests.fakes import fake_engine
 
         fake_engine.reset()
     t0 = time.perf_counter()
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")  # before the engine: external_launcher joins it
     if args.engine == "fake":
-        from agentopsd.rollout import fake_engine
+        from tests.fakes import fake_engine
 
         fake_engine.install(sleep_available=True)
     rank = dist.get_rank()

@@ -95,7 +95,7 @@ def tiny_cache(tmp_path_factory) -> str:
 
 @pytest.fixture()
 def tiny_walk_policy(tiny_cache):
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
 
     return tiny_policy(TOY_ID, skills=WALK_SKILLS, vocab_size=450, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128, text_episodes=6, cache_dir=tiny_cache)
 

@@ -27,9 +27,9 @@ import torch  # noqa: E402
 
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig  # noqa: E402
 from agentopsd.credit.algorithms import Algorithm  # noqa: E402
-from agentopsd.data import TaskDataModule  # noqa: E402
-from agentopsd.distributed import rank_and_world  # noqa: E402
-from agentopsd.module import AgentRLModule  # noqa: E402
+from agentopsd.training.data import TaskDataModule  # noqa: E402
+from agentopsd.training.distributed import rank_and_world  # noqa: E402
+from agentopsd.training.module import AgentRLModule  # noqa: E402
 from agentopsd.types import RolloutBatch  # noqa: E402
 
 ENV = "agentopsd/BabyAI-GoToLocal-v0"
@@ -126,7 +126,7 @@ def count_reductions() -> None:
 
 
 def main(out: Path, mode: str) -> None:
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
 
     mode, _, extra = mode.partition("+")
     skip = extra == "skip"
@@ -144,7 +144,7 @@ def main(out: Path, mode: str) -> None:
     )
     strategy = {"single": "auto", "ddp": "ddp"}.get(mode)
     if mode.startswith("fsdp"):
-        from agentopsd.strategies import FSDP2Strategy
+        from agentopsd.training.strategies import FSDP2Strategy
 
         strategy = FSDP2Strategy()
     trainer = L.Trainer(accelerator="cpu", devices=1 if mode == "single" else 2, strategy=strategy, precision="32-true", max_epochs=1,

@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from agentopsd import module as module_lib  # noqa: E402
-from agentopsd.distributed import rank_and_world  # noqa: E402
 from agentopsd.rollout import factory  # noqa: E402
+from agentopsd.training import module as module_lib  # noqa: E402
+from agentopsd.training.distributed import rank_and_world  # noqa: E402
 
 
 def _planted(original, phase):
@@ -35,6 +35,6 @@ module_lib.AgentRLModule._update = _planted(module_lib.AgentRLModule._update, "u
 factory.engine_sync = _planted(factory.engine_sync, "evaluation")
 
 if __name__ == "__main__":
-    from agentopsd.train import cli
+    from agentopsd.run.train import cli
 
     cli()

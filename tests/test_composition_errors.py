@@ -1,5 +1,5 @@
 """Hydra's composition errors (a typo'd key or option, `model.path=` on the tiny model) are one line naming the key and
-the fix, exit 2, like every other bad configuration (issue 49, item 4; agentopsd/composition.py)."""
+the fix, exit 2, like every other bad configuration (issue 49, item 4; agentopsd/run/composition.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from agentopsd.composition import check_composition
-from agentopsd.validation import ConfigError
+from agentopsd.run.composition import check_composition
+from agentopsd.run.validation import ConfigError
 from tests.test_train import ROOT
 
 CONF = ROOT / "conf"
@@ -72,7 +72,7 @@ def test_train_py_prints_one_line_and_exits_2(argv, start, tmp_path):
 
 
 def test_agentopsd_eval_prints_one_line_and_exits_2(capsys):
-    from agentopsd import eval_cli
+    from agentopsd.tools import eval_cli
 
     assert eval_cli.main(["env=babyia", "ckpt_path=last"]) == 2
     err = capsys.readouterr().err

@@ -10,8 +10,8 @@ from hydra.utils import instantiate
 
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import Algorithm
-from agentopsd.runs import SWAPPABLE, check_group_swaps, pinned_keys, register_resolvers
-from agentopsd.validation import ConfigError, resolve_ckpt_path, validate_config
+from agentopsd.run.folders import SWAPPABLE, check_group_swaps, pinned_keys, register_resolvers
+from agentopsd.run.validation import ConfigError, resolve_ckpt_path, validate_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()  # output_dir is ${run_dir:...}
@@ -73,7 +73,7 @@ def test_loggers_compose(name, tmp_path):
 @pytest.mark.parametrize("name", options("model"))
 def test_models_compose(name):
     cfg = _resolve(cfg_for(f"model={name}"))
-    assert cfg.model._target_ in ("agentopsd.tiny.tiny_policy", "agentopsd.models.load_policy")
+    assert cfg.model._target_ in ("agentopsd.models.tiny.tiny_policy", "agentopsd.models.loading.load_policy")
 
 
 @pytest.mark.parametrize("name", options("experiment"))
@@ -96,7 +96,7 @@ def test_default_is_quickstart():
 
 
 def test_plus_experiment_spelling_is_accepted():
-    from agentopsd.train import _accept_plus_experiment
+    from agentopsd.run.train import _accept_plus_experiment
 
     assert _accept_plus_experiment(["train.py", "+experiment=webshop_3b", "seed=1"]) == ["train.py", "experiment=webshop_3b", "seed=1"]
 
@@ -126,7 +126,7 @@ def test_bad_values_fail_fast(override, field):
 def test_missing_weights_fail_in_seconds(monkeypatch):
     import time
 
-    from agentopsd.models import ModelNotFoundError
+    from agentopsd.models.loading import ModelNotFoundError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # rollout=hf: the missing vllm would fail first on a machine without it
@@ -238,7 +238,7 @@ def test_a_refused_swap_names_the_experiments_made_for_that_option():
 @pytest.mark.parametrize(("algorithm", "want"), [("agentopsd", {"scale_by_std": False}), ("grpo", {"scale_by_std": False}),
                                                  ("gigpo", {"norm": "mean"})])
 def test_the_quickstart_centres_group_advantages_for_any_algorithm(algorithm, want, tiny_walk_policy):
-    from agentopsd.module import AgentRLModule
+    from agentopsd.training.module import AgentRLModule
 
     cfg = _resolve(cfg_for(f"algorithm={algorithm}"))
     model, tokenizer = tiny_walk_policy

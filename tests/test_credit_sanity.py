@@ -69,10 +69,10 @@ if KEY_ID not in gym.registry:
 def test_decisive_turn_gets_the_credit(tmp_path):
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
     from agentopsd.credit.algorithms import AgentOPSD
-    from agentopsd.data import TaskBatch, sample_tasks
-    from agentopsd.module import AgentRLModule
-    from agentopsd.tiny import tiny_policy
-    from agentopsd.warmstart import warm_start
+    from agentopsd.models.tiny import tiny_policy
+    from agentopsd.models.warmstart import warm_start
+    from agentopsd.training.data import TaskBatch, sample_tasks
+    from agentopsd.training.module import AgentRLModule
 
     torch.manual_seed(0)
     env_kw = dict(id=KEY_ID, skills=SKILLS, max_turns=10, history_window=0, show_admissible=False, system_prompt="Act.", output_format="action")

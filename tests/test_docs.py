@@ -251,8 +251,8 @@ def test_the_generator_makes_comments_and_docstrings_safe_for_the_site():
     assert gen.markdown_text("`last` resumes runs/<name>/latest, or policy-<iteration>.pt.") == (
         "`last` resumes `runs/<name>/latest`, or `policy-<iteration>.pt`."
     )
-    assert gen.markdown_text("(:mod:`agentopsd.balance`; :class:`~agentopsd.types.RolloutBatch`)") == (
-        "(`agentopsd.balance`; `RolloutBatch`)"
+    assert gen.markdown_text("(:mod:`agentopsd.training.balance`; :class:`~agentopsd.types.RolloutBatch`)") == (
+        "(`agentopsd.training.balance`; `RolloutBatch`)"
     )
     assert gen.markdown_text("a < b and ``<kept>`` in code") == "a &lt; b and ``<kept>`` in code"
     assert not hidden_placeholders(gen.render())
@@ -341,7 +341,7 @@ def logged_metric_keys() -> set[str]:
     phases = set(re.findall(r'phase_seconds\["(\w+)"\] =', module))
     phases |= set(re.findall(r'"(\w+)": (?:t_\w+|got\.seconds)', "".join(re.findall(r"self\.phase_seconds = \{[^}]*\}", module))))
     keys |= {f"perf/{p}_seconds" for p in phases}
-    if '.replace("eval/", "eval/sampled/", 1)' in (ROOT / "agentopsd" / "evaluation.py").read_text():
+    if '.replace("eval/", "eval/sampled/", 1)' in (ROOT / "agentopsd" / "training" / "evaluation.py").read_text():
         keys.add("eval/sampled/<>")
     return keys
 

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from agentopsd.oom import EXIT_CODE, DeviceOutOfMemory, is_out_of_memory, oom_line, out_of_memory_ends_the_job
+from agentopsd.training.oom import (
+    EXIT_CODE,
+    DeviceOutOfMemory,
+    is_out_of_memory,
+    oom_line,
+    out_of_memory_ends_the_job,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,7 @@ import gymnasium as gym
 import pytest
 
 from agentopsd.envs.base import env_class, registration_problem
-from agentopsd.validation import ConfigError, validate_config
+from agentopsd.run.validation import ConfigError, validate_config
 from tests.test_configs import _resolve, cfg_for
 from tests.test_train import ROOT
 

@@ -138,10 +138,13 @@ def test_the_wheel_installs_and_trains_from_any_folder(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"agentopsd"}, top  # no top-level envs/ or callbacks/
     for shipped in ("agentopsd/envs/babyai/env.py", "agentopsd/callbacks/credit.py", "agentopsd/conf/config.yaml",
-                    "agentopsd/conf/experiment/babyai_tiny.yaml", "agentopsd/rollout/skills/babyai.json", "agentopsd/train.py"):
+                    "agentopsd/conf/experiment/babyai_tiny.yaml", "agentopsd/rollout/skills/babyai.json", "agentopsd/run/train.py"):
         assert shipped in names, shipped
+    # the workshop stays out of the product: no test doubles (the fake vLLM engine lives in tests/fakes/)
+    doubles = [n for n in names if "fake" in n.rsplit("/", 1)[-1] or "/testing/" in n]
+    assert not doubles, doubles
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "agentopsd-train = agentopsd.train:cli" in entry_points
+    assert "agentopsd-train = agentopsd.run.train:cli" in entry_points
 
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"

@@ -7,8 +7,8 @@ import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 from torch import nn
 
-from agentopsd.data import TaskBatch, sample_tasks
-from agentopsd.strategies import fsdp_mixed_precision, needs_float32_master, upcast_half_params
+from agentopsd.training.data import TaskBatch, sample_tasks
+from agentopsd.training.strategies import fsdp_mixed_precision, needs_float32_master, upcast_half_params
 from tests.test_train import metrics_rows, run_train
 
 ENV = "agentopsd/BabyAI-GoToLocal-v0"

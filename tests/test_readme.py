@@ -107,7 +107,7 @@ def _overrides(line: str) -> list[str]:
 def test_train_commands_compose(line):
     from hydra import compose, initialize_config_dir
 
-    from agentopsd.runs import check_group_swaps, register_resolvers
+    from agentopsd.run.folders import check_group_swaps, register_resolvers
 
     register_resolvers()
     # train.py reads `+experiment=X` as `experiment=X`
@@ -125,7 +125,7 @@ def test_install_commands_name_what_exists(line):
     for named in re.findall(r'-e "?\.\[([\w,]+)\]', line):
         assert set(named.split(",")) <= extras, named
     if "agentopsd-train" in line:
-        assert 'agentopsd-train = "agentopsd.train:cli"' in (ROOT / "pyproject.toml").read_text()
+        assert 'agentopsd-train = "agentopsd.run.train:cli"' in (ROOT / "pyproject.toml").read_text()
     for path in re.findall(r"-c (\S+)", line) + re.findall(r"bash (\S+\.sh)", line):
         assert (ROOT / path).is_file(), path
     if "-c constraints-cpu.txt" in line:

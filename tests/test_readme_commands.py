@@ -69,7 +69,7 @@ def _has_key(command: str, key: str) -> bool:
     from hydra import compose, initialize_config_dir
     from omegaconf import DictConfig, OmegaConf
 
-    from agentopsd.runs import register_resolvers
+    from agentopsd.run.folders import register_resolvers
 
     register_resolvers()
     overrides = [w.replace("+experiment=", "experiment=", 1) for w in shlex.split(command)[1:] if "=" in w]

@@ -1,5 +1,5 @@
 """A resume never rewrites a run: one that changes the run's config is refused in one line, and every resume records its
-config beside the first launch's, never over it (issue 49, item 2; agentopsd/resume.py)."""
+config beside the first launch's, never over it (issue 49, item 2; agentopsd/run/resume.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from agentopsd import resume
-from agentopsd.validation import ConfigError
+from agentopsd.run import resume
+from agentopsd.run.validation import ConfigError
 from tests.test_configs import cfg_for
 from tests.test_train import ROOT
 
@@ -82,6 +82,22 @@ def test_a_forced_resume_records_beside_the_first(tmp_path, capsys):
     resume.check_resume(cfg)
     assert cfg.hydra.output_subdir == ".hydra/resume-2"
     assert "resume_force=true" in capsys.readouterr().err
+
+
+def test_a_run_recorded_before_the_modules_moved_still_resumes(tmp_path):
+    """A config recorded when load_policy lived in agentopsd.models and the tiny model in agentopsd.tiny: its targets
+    are read as where they live now, so the same command resumes (not refused for a _target_ it never chose)."""
+    run = fake_run(tmp_path / "run", "experiment=babyai_tiny", "algorithm=grpo")
+    record = run / ".hydra" / "config.yaml"
+    text = record.read_text()
+    assert "_target_: agentopsd.models.tiny.tiny_policy" in text
+    record.write_text(text.replace("agentopsd.models.tiny.tiny_policy", "agentopsd.tiny.tiny_policy"))
+    cfg = cfg_for("experiment=babyai_tiny", "algorithm=grpo", "ckpt_path=last", "num_iterations=3", f"output_dir={run}")
+    resume.check_resume(cfg)
+    assert cfg.hydra.output_subdir == ".hydra/resume-1"
+    assert resume.load_recorded(run).model._target_ == "agentopsd.models.tiny.tiny_policy"  # what eval and export read
+    assert resume.current_targets({"a": [{"_target_": "agentopsd.runs.RunFolderCallback"}]}) == {
+        "a": [{"_target_": "agentopsd.run.folders.RunFolderCallback"}]}
 
 
 def test_a_checkpoint_given_by_path_is_checked_against_its_run(tmp_path):

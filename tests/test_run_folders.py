@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentopsd import runs
+from agentopsd.run import folders as runs
 
 # ------------------------------------------------------------------ folders
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from agentopsd.validation import ConfigError, validate_config
+from agentopsd.run.validation import ConfigError, validate_config
 from tests.test_configs import _resolve, cfg_for
 from tests.test_train import ROOT
 
@@ -44,14 +44,14 @@ def test_the_smollm2_extra_holds_what_its_command_needs():
 @pytest.fixture
 def no_download(monkeypatch):
     """Any model lookup, download or preparation fails the test: the check must come before them."""
-    import agentopsd.models
-    import agentopsd.pretrained
+    import agentopsd.models.loading
+    import agentopsd.models.pretrained
 
     def refuse(*args, **kwargs):
         raise AssertionError("validation reached the model (a download or a preparation) before the package check")
 
-    monkeypatch.setattr(agentopsd.models, "resolve_model_path", refuse)
-    monkeypatch.setattr(agentopsd.pretrained, "prepare", refuse)
+    monkeypatch.setattr(agentopsd.models.loading, "resolve_model_path", refuse)
+    monkeypatch.setattr(agentopsd.models.pretrained, "prepare", refuse)
 
 
 def test_lora_without_peft_is_one_line_before_any_download(monkeypatch, no_download):

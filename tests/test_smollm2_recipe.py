@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
-from agentopsd.runs import register_resolvers
-from agentopsd.validation import validate_config
+from agentopsd.run.folders import register_resolvers
+from agentopsd.run.validation import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -24,7 +24,7 @@ def recipe(*overrides: str):
     """``train.py +experiment=smollm2 overrides`` as train.py composes it (it reads ``+experiment=`` as ``experiment=``)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from agentopsd.train import _accept_plus_experiment
+    from agentopsd.run.train import _accept_plus_experiment
 
     args = _accept_plus_experiment(["train.py", "+experiment=smollm2", *overrides])[1:]
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
@@ -36,8 +36,8 @@ def recipe(*overrides: str):
 def test_the_recipe_composes_with_smollm2_lora_on_pickupobj_s5_and_its_settings():
     cfg = recipe()
     assert cfg.name == "smollm2"
-    assert cfg.model._target_ == "agentopsd.models.load_policy" and cfg.model.path == "smollm2-135m"
-    assert cfg.model.dtype == "auto"  # bf16 where the CPU has it natively (agentopsd/precision.py)
+    assert cfg.model._target_ == "agentopsd.models.loading.load_policy" and cfg.model.path == "smollm2-135m"
+    assert cfg.model.dtype == "auto"  # bf16 where the CPU has it natively (agentopsd/training/precision.py)
     assert dict(cfg.model.lora) == {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
     env = instantiate(cfg.env)
     assert isinstance(env, EnvConfig) and env.id == "agentopsd/BabyAI-PickupObjS5-v0"
@@ -62,7 +62,7 @@ def test_the_recipe_composes_with_smollm2_lora_on_pickupobj_s5_and_its_settings(
 def test_the_recipe_validates_without_loading_weights(monkeypatch, tmp_path):
     """validate_config resolves model.path through the prepared-model cache; here that lookup is replaced, so no
     download and no weights: what is checked is that the recipe asks for the prepared SmolLM2 and passes every check."""
-    from agentopsd import pretrained
+    from agentopsd.models import pretrained
 
     asked: list[str] = []
 
@@ -78,11 +78,11 @@ def test_the_recipe_validates_without_loading_weights(monkeypatch, tmp_path):
 def test_max_new_tokens_holds_every_babyai_action_in_smollm2s_tokenizer():
     """The recipe cuts generation at rollout.max_new_tokens: every action's reply must fit, or the longest
     actions could never be generated whole. Needs only the prepared folder's tokenizer (skips when absent)."""
-    from agentopsd.pretrained import SMOLLM2_135M, is_prepared, prepared_dir
+    from agentopsd.models.pretrained import SMOLLM2_135M, is_prepared, prepared_dir
 
     folder = prepared_dir(SMOLLM2_135M)
     if not is_prepared(folder):
-        pytest.skip(f"{folder} not prepared (python -m agentopsd.pretrained smollm2-135m)")
+        pytest.skip(f"{folder} not prepared (python -m agentopsd.models.pretrained smollm2-135m)")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -93,7 +93,7 @@ def test_max_new_tokens_holds_every_babyai_action_in_smollm2s_tokenizer():
 
 def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(smollm2_recipe_bench):
     stamped = [
-        (5.0, "[..][agentopsd.warmstart][INFO] - wrote 1200 demonstration turns to /x/demos.tar in 3.4s"),
+        (5.0, "[..][agentopsd.models.warmstart][INFO] - wrote 1200 demonstration turns to /x/demos.tar in 3.4s"),
         (200.0, "warm start: 48 steps in 190s, final loss 0.512"),
         (260.5, "[..][agentopsd.callbacks.evaluation][INFO] - eval (before training, after 0 iterations): success 0.050 on 20 episodes"),
         (700.0, "[..][agentopsd.callbacks.evaluation][INFO] - eval (periodic, after 1 iteration): success 0.100 on 20 episodes"),

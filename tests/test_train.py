@@ -112,7 +112,7 @@ def test_resume_continues_the_task_stream(tmp_path):
     import gymnasium as gym
 
     import agentopsd.envs  # noqa: F401
-    from agentopsd.data import sample_tasks
+    from agentopsd.training.data import sample_tasks
 
     env_id = "agentopsd/BabyAI-GoToLocal-v0"
     num_tasks = gym.make(env_id, split="train").unwrapped.num_tasks
@@ -181,7 +181,7 @@ def test_shortened_quickstart_writes_the_report(tmp_path):
         data = (out / "report" / image).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000
     assert "Credit per turn" in page
-    from agentopsd.report import pick_credit_examples, read_shards
+    from agentopsd.tools.report import pick_credit_examples, read_shards
 
     # each plotted trajectory's heading says what its picture answers: which turn won (or lost) where the group's
     # outcomes were mixed (A_seq != 0), that there was no credit to assign where every copy ended alike

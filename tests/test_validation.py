@@ -11,7 +11,7 @@ import time
 import gymnasium as gym
 import pytest
 
-from agentopsd.validation import ConfigError, validate_config
+from agentopsd.run.validation import ConfigError, validate_config
 from tests.test_configs import _resolve, cfg_for
 from tests.test_train import ROOT
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from agentopsd.distributed import exit_process
+from agentopsd.training.distributed import exit_process
 
 
 def leave() -> None:
-    """Barrier, then :func:`agentopsd.distributed.exit_process` (exit handlers, flush, ``os._exit(0)``).
+    """Barrier, then :func:`agentopsd.training.distributed.exit_process` (exit handlers, flush, ``os._exit(0)``).
 
     Not a normal exit: with torch 2.13 on gloo, a process-group worker thread can still hold the last
     reference to a finished collective when the interpreter shuts down, and the rank aborts (exit -6)

@@ -35,7 +35,7 @@ The engine never sleeps: nothing else runs in the worker that would want its mem
 keeps its own lockstep collector, and so its own engine, in the trainer's process.
 
 Resume: the queue is not checkpointed; it is regenerated. The tasks of an iteration are a function of
-(seed, iteration) alone (:func:`agentopsd.data.sample_tasks`), so a resumed producer starts at the first
+(seed, iteration) alone (:func:`agentopsd.training.data.sample_tasks`), so a resumed producer starts at the first
 iteration not yet updated and plays exactly the tasks the stopped run would have played, none lost or
 repeated (the samples differ: which weights a turn sees depends on timing, so asynchronous rollouts are
 not bit-reproducible).
@@ -93,7 +93,7 @@ class WorkerSpec:
     world: int
     with_teacher: bool
     task_fn: Callable[[int], tuple[TaskSpec, ...]]
-    """Iteration -> every rank's tasks of that iteration (the loader's stream, :func:`agentopsd.data.sample_tasks`)."""
+    """Iteration -> every rank's tasks of that iteration (the loader's stream, :func:`agentopsd.training.data.sample_tasks`)."""
     start: int
     """The first iteration to play (the updates done when the producer starts)."""
     end: int
@@ -117,12 +117,12 @@ class WorkerSpec:
     :class:`AsyncRollout` at start. None: beside the trainer."""
     worker_init: Callable[[], object] | None = None
     """Called first in the worker (picklable: a module-level function). A test seam: e.g. the fake ``vllm``
-    (:func:`agentopsd.rollout.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
+    (:func:`tests.fakes.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
 
 
 def rank_tasks(tasks: Sequence[TaskSpec], rank: int, world: int) -> tuple[TaskSpec, ...]:
     """This rank's whole groups of an iteration's tasks (as the lockstep rollout shards them)."""
-    from agentopsd.distributed import shard_groups
+    from agentopsd.training.distributed import shard_groups
 
     if world == 1:
         return tuple(tasks)
@@ -261,7 +261,7 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
                                            overlap_waves=spec.rollout.overlap_waves,
                                            teacher_in_engine=getattr(spec.rollout, "teacher_scoring", "trainer") == "worker")
         collector.before_turn = before_turn
-        from agentopsd.preemption import RolloutStopped
+        from agentopsd.training.preemption import RolloutStopped
 
         for iteration in range(spec.start, spec.end):
             while not admitted(iteration, shared.available(), spec.max_staleness):

@@ -11,13 +11,13 @@ from dataclasses import dataclass, field, replace
 import gymnasium as gym
 
 from agentopsd.config import check_overlap_waves
-from agentopsd.distributed import all_max, any_rank, is_distributed
 from agentopsd.envs.base import env_class, steps_thread_safe
 from agentopsd.envs.runner import BatchedRunner, PendingStep
-from agentopsd.preemption import RolloutStopped
 from agentopsd.rollout.base import Generation, Generator, SamplingConfig
 from agentopsd.rollout.prompts import HistoryEntry, PromptBuilder, PromptViews, assert_no_skills, parse_action
 from agentopsd.rollout.skills import SkillBank
+from agentopsd.training.distributed import all_max, any_rank, is_distributed
+from agentopsd.training.preemption import RolloutStopped
 from agentopsd.types import TaskSpec, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ def effective_waves(requested: int, env_id: str, num_threads: int) -> tuple[int,
     """How many generate calls a turn makes, and why it is 1 when more were asked for ('' when not).
 
     A function of settings alone, never of this rank's tasks: every rank must make the same calls (the rank
-    invariant, agentopsd.distributed), also a rank with one env (no pool) or none (an empty shard).
+    invariant, agentopsd.training.distributed), also a rank with one env (no pool) or none (an empty shard).
     """
     if requested == 1:
         return 1, ""

@@ -1,7 +1,7 @@
 """The rollout a run's settings describe: its generator and collector, the colocated engine's weight
 sync and sleep around each use, and the metrics of one rollout.
 
-:class:`agentopsd.module.AgentRLModule` builds its collector here once (lazily, on first use) and calls
+:class:`agentopsd.training.module.AgentRLModule` builds its collector here once (lazily, on first use) and calls
 :func:`engine_sync` / :func:`engine_sleep` around every collection; nothing here reads Lightning state.
 """
 
@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from agentopsd.config import EnvConfig, RolloutConfig
-from agentopsd.distributed import is_distributed
 from agentopsd.rollout import base
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.rollout.skills import SkillBank
+from agentopsd.training.distributed import is_distributed
 from agentopsd.types import Trajectory
 
 
@@ -40,7 +40,7 @@ def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout:
                    model_path: str | None, iterations_done: int, weights_as_loaded: bool = True,
                    generation_dtype: torch.dtype | None = None) -> Generator:
     """vLLM (colocated, loading ``model_path``) or transformers on the policy itself (or, with ``generation_dtype``,
-    on a copy of it in that dtype: :class:`agentopsd.precision.WeightPlan`), with the format-error chaos wrapper
+    on a copy of it in that dtype: :class:`agentopsd.training.precision.WeightPlan`), with the format-error chaos wrapper
     when ``rollout.malformed_rate`` asks for it (transformers only)."""
     if rollout.backend == "vllm":
         from agentopsd.rollout.vllm_backend import VLLMGenerator
@@ -51,7 +51,7 @@ def make_generator(model: nn.Module, tokenizer: object, env: EnvConfig, rollout:
                                                                                   weights_as_loaded=weights_as_loaded))
     from agentopsd.rollout.hf import HFGenerator
 
-    # several ranks: every rank runs every forward (the rank invariant, agentopsd.distributed)
+    # several ranks: every rank runs every forward (the rank invariant, agentopsd.training.distributed)
     generator = HFGenerator(model, tokenizer, synced_gpus=is_distributed(), weights_dtype=generation_dtype)
     if rollout.malformed_rate > 0:
         from agentopsd.rollout.chaos import MalformedGenerator

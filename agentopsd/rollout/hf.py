@@ -22,8 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from agentopsd import distributed
-from agentopsd.precision import copy_weights, half_copy
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.scoring import (
     MIN_SHARED_PREFIX,
@@ -32,6 +30,8 @@ from agentopsd.rollout.scoring import (
     pack_by_length,
     shared_prefixes,
 )
+from agentopsd.training import distributed
+from agentopsd.training.precision import copy_weights, half_copy
 
 _REPLACEMENT = "\ufffd"  # what a lone byte of a multi-byte character decodes to
 
@@ -50,7 +50,7 @@ class HFGenerator:
 
     Prompts are left-padded into one batch; position ids count real tokens only, so each row sees
     exactly what it would see alone. ``synced_gpus=True`` (set whenever several ranks train) holds
-    the rank invariant (:mod:`agentopsd.distributed`): FSDP gathers parameters inside every forward,
+    the rank invariant (:mod:`agentopsd.training.distributed`): FSDP gathers parameters inside every forward,
     so every rank runs the same number of prefill forwards (agreed, then padded with dummy ones) and
     of decode steps (until every rank is done), and a call with no prompts still takes part.
     """

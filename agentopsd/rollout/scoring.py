@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from agentopsd.config import OptimConfig, RolloutConfig
 from agentopsd.credit.losses import token_entropy, token_logprobs, truncated_is_weights
-from agentopsd.distributed import padded
+from agentopsd.training.distributed import padded
 from agentopsd.types import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -407,7 +407,7 @@ class Scorer:
     policy is ``fully_shard``-ed, so every forward is a collective and the whole model is called
     (its root gathers embeddings and head only then); passes are then agreed over ranks and the
     missing ones run on placeholder rows through the same code (the rank invariant,
-    :mod:`agentopsd.distributed`).
+    :mod:`agentopsd.training.distributed`).
     """
 
     model: nn.Module
@@ -696,7 +696,7 @@ def effective_tis_cap(optim: OptimConfig, rollout: RolloutConfig, *, half_rollou
 
     Two cases apply. An engine other than the trainer's forward generated the tokens (a cap is set, the backend
     is not the transformers one, whose log-probs are the trainer's, or ``half_rollout``: the transformers one
-    generated from bf16 weights, :attr:`agentopsd.precision.WeightPlan.half_rollout`, and the behaviour
+    generated from bf16 weights, :attr:`agentopsd.training.precision.WeightPlan.half_rollout`, and the behaviour
     log-probs are recomputed, which the module forces then).
     Or ``rollout.max_staleness > 0``: the tokens came from weights up to k updates old, the old log-probs are
     the proximal policy's (the module forces the recompute), and the weight runs from behaviour to proximal

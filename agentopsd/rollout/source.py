@@ -26,12 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from agentopsd.config import EnvConfig, RolloutConfig
-from agentopsd.distributed import rank_and_world, shard_groups
-from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.rollout import factory
 from agentopsd.rollout.async_rollout import AsyncRollout, RolloutWorkerError, WorkerSpec, rank_tasks
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.staleness import check_staleness, spanning_share, staleness_metrics
+from agentopsd.training.distributed import rank_and_world, shard_groups
+from agentopsd.training.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.types import TaskSpec, Trajectory
 
 
@@ -220,7 +220,7 @@ class AheadRollouts(LockstepRollouts):
             raise ValueError("rollout.max_staleness > 0 needs whole weights to hand to the rollout worker: use "
                              "trainer=ddp (or one process), or rollout.max_staleness=0 under trainer=fsdp")
         if not hasattr(at.loader, "task_function"):
-            raise TypeError("rollout.max_staleness > 0 needs the task stream (agentopsd.data.TaskDataModule) as the "
+            raise TypeError("rollout.max_staleness > 0 needs the task stream (agentopsd.training.data.TaskDataModule) as the "
                             "training loader: the worker plays iterations ahead of it")
         from agentopsd.envs.base import env_spec
 

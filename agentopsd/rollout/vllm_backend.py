@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentopsd.models import resolve_model_path
+from agentopsd.models.loading import resolve_model_path
 from agentopsd.rollout.base import Generation, SamplingConfig
 
 log = logging.getLogger(__name__)

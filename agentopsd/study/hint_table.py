@@ -17,7 +17,7 @@ that is exactly the turns whose expert action is ``pick up``; with a turn-scoped
 with no situation in view holds no block and never applies (its two views are the same tokens, the
 difference is 0 exactly). A turn is *decisive* when the expert's action on it wins the episode.
 
-Everything here is pure given a model; ``scripts/hint_table.py`` composes the run config and writes the table.
+Everything here is pure given a model; ``studies/hint_table.py`` composes the run config and writes the table.
 """
 
 from __future__ import annotations

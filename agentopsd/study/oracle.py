@@ -21,7 +21,7 @@ accumulator work at the scale they work at in the real method.
 
 Needs an environment that can be replayed and has an expert (BabyAI, ALFWorld) and the row layout of
 :class:`~agentopsd.types.RolloutBatch` with its ``trajectories``. Selected by Hydra overrides on any
-AgentOPSD config, e.g. (what ``scripts/ladder.py --methods oracle`` passes)::
+AgentOPSD config, e.g. (what ``studies/ladder.py --methods oracle`` passes)::
 
     python train.py experiment=keydoor algorithm._target_=agentopsd.study.oracle.OracleOPSD \
         algorithm.name=oracle +algorithm.max_turns='${env.max_turns}' +algorithm.env_kwargs='${oc.select:env.kwargs,null}'
@@ -116,7 +116,7 @@ def matched_scale(evidence: Tensor, gains: Tensor, mask: Tensor, spread: float |
 
 
 def oracle_env(env_id: str, max_turns: int, env_kwargs: Mapping[str, Any] | None) -> gym.Env:
-    """The replay env of a run (as ``scripts/credit_quality.py`` builds it: BabyAI skips its reset-time expert path)."""
+    """The replay env of a run (as ``studies/credit_quality.py`` builds it: BabyAI skips its reset-time expert path)."""
     kwargs = dict(env_kwargs or {})
     if "BabyAI" in env_id:
         kwargs.setdefault("compute_expert_steps", False)

@@ -30,7 +30,7 @@ def peer():
 
 @pytest.fixture(scope="module")
 def policy(peer):
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
 
     return tiny_policy(peer.EPISODE_ID, skills="babyai", **peer.PeerSetup().model)
 

@@ -7,8 +7,8 @@ import torch
 
 from agentopsd.callbacks.checkpoint import IterationCheckpoint
 from agentopsd.callbacks.credit import CreditCallback
-from agentopsd.data import TaskDataModule
-from tests.agentopsd.test_module import make_module
+from agentopsd.training.data import TaskDataModule
+from tests.agentopsd.training.test_module import make_module
 from tests.conftest import TOY_ID
 
 
@@ -40,7 +40,7 @@ def test_the_previous_checkpoint_survives_a_corrupt_last(tiny_walk_policy, tmp_p
     """Each save keeps the one before as previous.ckpt; a truncated last.ckpt fails in one line naming it."""
     import pytest
 
-    from agentopsd.validation import ConfigError, checkpoint_problem, resolve_ckpt_path
+    from agentopsd.run.validation import ConfigError, checkpoint_problem, resolve_ckpt_path
 
     module = make_module(tiny_walk_policy, iterations=2)
     checkpoint = IterationCheckpoint(str(tmp_path / "checkpoints"), every_n_iterations=1)

@@ -17,9 +17,9 @@ import torch
 from agentopsd.callbacks.checkpoint import IterationCheckpoint
 from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.callbacks.preemption import PreemptionCallback
-from agentopsd.data import TaskDataModule
-from agentopsd.preemption import Preempted, RolloutStopped, StopRequest
-from tests.agentopsd.test_module import _task_batch, make_module
+from agentopsd.training.data import TaskDataModule
+from agentopsd.training.preemption import Preempted, RolloutStopped, StopRequest
+from tests.agentopsd.training.test_module import _task_batch, make_module
 from tests.conftest import TOY_ID
 from tests.test_train import ROOT, run_train, shard_records
 

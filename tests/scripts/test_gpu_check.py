@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentopsd.memory import QWEN25, compose_config
+from agentopsd.tools.memory import QWEN25, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")
@@ -202,7 +202,7 @@ def test_the_train_runs_are_the_paper_experiment_at_lr_1e4_evaluated_first_then_
                                         rollout="vllm", iterations=4, resume=True)
     cfg = compose_config([o for o in first if not o.startswith("model.path")])
     experiment = compose_config([first[0]])
-    assert cfg.trainer.strategy._target_ == "agentopsd.strategies.FSDP2Strategy" and cfg.trainer.devices == 1
+    assert cfg.trainer.strategy._target_ == "agentopsd.training.strategies.FSDP2Strategy" and cfg.trainer.devices == 1
     assert cfg.trainer.precision == experiment.trainer.precision == "bf16-mixed"
     assert cfg.optim.lr == 1e-4 and cfg.num_iterations == 3 and cfg.evaluation.before_training is True
     assert cfg.rollout.backend == "hf" and cfg.rollout.max_new_tokens == 512

@@ -23,7 +23,7 @@ GROUPS = torch.zeros(4, dtype=torch.long)
 
 def one_group_batch() -> dict[str, torch.Tensor]:
     """:func:`multi_token_batch`'s four trajectories (1-4 turns of 1-5 tokens) in one group, as the trainer hands
-    them over: ``seq_advantages`` scaled by the group's std (``agentopsd.data``)."""
+    them over: ``seq_advantages`` scaled by the group's std (``agentopsd.training.data``)."""
     b = multi_token_batch(2)
     b.update(rewards=REWARDS.clone(), success=REWARDS.clone(), group_ids=GROUPS.clone(),
              seq_advantages=grpo_advantages(REWARDS, GROUPS))
@@ -81,7 +81,7 @@ def test_every_configured_algorithm_unscaled_stays_within_its_band_of_the_centre
 def test_the_quickstart_algorithm_computes_centred_advantages(algorithm, tiny_walk_policy):
     """The quickstart (``optim.scale_by_std: false``) as ``train.py`` builds it: the algorithm of
     ``AgentRLModule.from_config`` writes advantages of the centred outcome's size, not the std-scaled one's."""
-    from agentopsd.module import AgentRLModule
+    from agentopsd.training.module import AgentRLModule
     from tests.test_configs import _resolve, cfg_for
 
     model, tokenizer = tiny_walk_policy

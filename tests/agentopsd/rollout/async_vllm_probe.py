@@ -74,10 +74,10 @@ def main(workdir: str, out_path: str) -> int:
     from agentopsd.callbacks.credit import CreditCallback
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
     from agentopsd.credit.algorithms import Algorithm
-    from agentopsd.data import TaskDataModule
-    from agentopsd.module import AgentRLModule
-    from agentopsd.process_env import set_vllm_defaults
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
+    from agentopsd.run.process_env import set_vllm_defaults
+    from agentopsd.training.data import TaskDataModule
+    from agentopsd.training.module import AgentRLModule
 
     set_vllm_defaults()
     work = Path(workdir)

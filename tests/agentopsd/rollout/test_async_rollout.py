@@ -20,9 +20,9 @@ import torch
 from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import AgentOPSD
-from agentopsd.data import TaskDataModule, sample_tasks
-from agentopsd.module import AgentRLModule
 from agentopsd.rollout.async_rollout import RolloutWorkerError, SharedWeights, admitted
+from agentopsd.training.data import TaskDataModule, sample_tasks
+from agentopsd.training.module import AgentRLModule
 from tests.conftest import TOY_ID, WALK_SKILLS
 
 

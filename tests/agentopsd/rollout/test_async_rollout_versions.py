@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from agentopsd.config import EnvConfig, RolloutConfig
-from agentopsd.data import sample_tasks
 from agentopsd.rollout.async_rollout import AsyncRollout, WorkerSpec
+from agentopsd.training.data import sample_tasks
 from tests.agentopsd.rollout.async_vllm_probe import GAP_TOLERANCE, MOVED, moved, turn_gap
 from tests.conftest import TOY_ID, WALK_SKILLS
 

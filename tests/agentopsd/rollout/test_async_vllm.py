@@ -1,7 +1,7 @@
 """Asynchronous rollouts on the vLLM backend (``rollout.backend=vllm rollout.max_staleness=k``): the rollout worker runs
 its own engine on ``model.path`` and pushes every weight version it loads into it before generating with it.
 
-Fast: the project's fake engine (:mod:`agentopsd.rollout.fake_engine`, installed inside the spawned worker through
+Fast: the project's fake engine (:mod:`tests.fakes.fake_engine`, installed inside the spawned worker through
 ``WorkerSpec.worker_init``: it lives in ``sys.modules`` and does not cross the spawn by itself) generates with its own
 copy of the weights, so each turn's behaviour log-probs say which weights the engine held: they must be those of the
 version the turn is tagged with. Slow (marker ``vllm``): the same through the module and Lightning with the real vLLM
@@ -40,10 +40,10 @@ def _fake_spec(tokenizer, folder: str, *, weights_as_loaded: bool, end: int):
     import gymnasium as gym
 
     from agentopsd.config import EnvConfig, RolloutConfig
-    from agentopsd.data import sample_tasks
-    from agentopsd.rollout import fake_engine
     from agentopsd.rollout.async_rollout import WorkerSpec
+    from agentopsd.training.data import sample_tasks
     from tests.conftest import TOY_ID, WALK_SKILLS
+    from tests.fakes import fake_engine
 
     return WorkerSpec(
         tokenizer=tokenizer, env=EnvConfig(id=TOY_ID, skills=WALK_SKILLS, max_turns=3, output_format="action"),
@@ -133,12 +133,12 @@ def test_the_module_hands_the_worker_its_model_path_and_a_warm_start(policy_fold
 
     from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
     from agentopsd.credit.algorithms import Algorithm
-    from agentopsd.module import AgentRLModule
-    from agentopsd.rollout import fake_engine
     from agentopsd.rollout import source as source_lib
     from agentopsd.rollout.async_rollout import WorkerSpec
+    from agentopsd.training.module import AgentRLModule
     from tests.agentopsd.rollout.test_async_rollout import fit
     from tests.conftest import TOY_ID, WALK_SKILLS
+    from tests.fakes import fake_engine
 
     folder_model, tokenizer, folder = policy_folder
     warm = moved(folder_model, 0.05, seed=3)  # a warm start moved the policy away from the folder's weights

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from agentopsd.distributed import SimulatedWorld
-from agentopsd.preemption import RolloutStopped
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.hf import HFGenerator
 from agentopsd.rollout.prompts import PromptBuilder
+from agentopsd.training.distributed import SimulatedWorld
+from agentopsd.training.preemption import RolloutStopped
 from agentopsd.types import TaskSpec
 from tests.conftest import TOY_ID
 

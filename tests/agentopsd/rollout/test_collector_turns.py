@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from agentopsd.config import EnvConfig
-from agentopsd.data import collate_trajectories
 from agentopsd.rollout import factory
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector, format_error_note, history_entry
 from agentopsd.rollout.prompts import PromptBuilder
+from agentopsd.training.data import collate_trajectories
 from agentopsd.types import TaskSpec
 from tests.conftest import TOY_ID, WALK_SKILLS
 

@@ -17,14 +17,14 @@ import torch
 
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig, resolve_teacher_scoring
 from agentopsd.credit.algorithms import GRPOOPSD, AgentOPSD
-from agentopsd.data import collate_trajectories, engine_teacher_scored
-from agentopsd.module import AgentRLModule
 from agentopsd.rollout import factory
 from agentopsd.rollout.base import SamplingConfig
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.hf import HFGenerator
 from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.rollout.scoring import Scorer, continuation_logprobs
+from agentopsd.training.data import collate_trajectories, engine_teacher_scored
+from agentopsd.training.module import AgentRLModule
 from agentopsd.types import TaskSpec
 from tests.conftest import TOY_ID, WALK_SKILLS
 

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from agentopsd.models import build_tiny_policy
+from agentopsd.models.loading import build_tiny_policy
+from agentopsd.models.tokenizer import train_tiny_tokenizer
 from agentopsd.rollout import hf as hf_module
 from agentopsd.rollout.base import Generator, SamplingConfig
 from agentopsd.rollout.hf import HFGenerator
-from agentopsd.tokenizer import train_tiny_tokenizer
 
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
 WORDS = "go to the red ball key door open pick up box green blue left right forward wall".split()
@@ -298,7 +298,7 @@ def test_synced_gpus_keeps_stepping_until_every_rank_is_done(model, tok):
     import copy
     import threading
 
-    from agentopsd.distributed import SimulatedWorld
+    from agentopsd.training.distributed import SimulatedWorld
 
     prompts = random_prompts(tok, lengths=(4, 9))
     first = HFGenerator(model, tok).generate(prompts, SamplingConfig(max_new_tokens=1, greedy=True, stop_strings=()))

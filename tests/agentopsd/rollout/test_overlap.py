@@ -18,11 +18,11 @@ import pytest
 
 from agentopsd.config import RolloutConfig
 from agentopsd.envs.faults import FaultInjectionWrapper
-from agentopsd.preemption import RolloutStopped
 from agentopsd.rollout.base import Generation, SamplingConfig
 from agentopsd.rollout.collector import Collector, split_waves, wave_sampling
 from agentopsd.rollout.prompts import PromptBuilder
 from agentopsd.rollout.skills import SkillBank
+from agentopsd.training.preemption import RolloutStopped
 from agentopsd.types import TaskSpec
 from tests.conftest import WALK_SKILLS, WalkEnv
 

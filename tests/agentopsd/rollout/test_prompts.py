@@ -82,7 +82,7 @@ def test_skill_guard():
 
 def test_guard_fires_inside_evaluation(tiny_walk_policy):
     """A prompt builder that leaks the skill into the student view is caught at evaluation."""
-    from tests.agentopsd.test_module import make_module
+    from tests.agentopsd.training.test_module import make_module
 
     module = make_module(tiny_walk_policy)
     module.trainer = None

@@ -299,8 +299,8 @@ def test_chunked_log_probs_and_entropy_equal_the_unchunked_path_with_gradients(p
 def test_chunked_head_holds_one_chunk_of_logits_forward_and_backward():
     """Checkpointed chunks: the peak of the head and log-softmax (forward and backward) is one chunk's logits,
     not all positions' (without the checkpoint the saved float32 copies of every chunk add up)."""
-    from agentopsd.memory import measure_cpu_peak
     from agentopsd.rollout.scoring import chunked_scores
+    from agentopsd.tools.memory import measure_cpu_peak
 
     torch.manual_seed(0)
     positions, hidden_size, vocab = 512, 16, 8192
@@ -328,7 +328,7 @@ import datetime, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from agentopsd.rollout.scoring import Scorer
-from agentopsd.strategies import prepare_policy
+from agentopsd.training.strategies import prepare_policy
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))  # a lost rank fails in 30 s
 rank = dist.get_rank()
@@ -375,7 +375,7 @@ def test_chunked_scores_under_fsdp2_equal_the_unchunked_on_two_processes(tmp_pat
     """2 gloo processes, the policy fully_shard-ed as the trainer shards it, unequal rows per rank: the chunked
     whole-model call (the LM head hooked inside the root's forward, chunks recomputed in the backward) gives
     the unchunked log-probs, entropies and reduced gradients."""
-    from tests.agentopsd.test_meta_build import torchrun_watched
+    from tests.agentopsd.models.test_meta_build import torchrun_watched
 
     script = tmp_path / "chunked_fsdp.py"
     script.write_text(CHUNKED_FSDP_SCRIPT)

@@ -21,8 +21,8 @@ from torch import nn
 
 from agentopsd.rollout import vllm_backend
 from agentopsd.rollout.base import SamplingConfig
-from agentopsd.rollout.fake_engine import fake_vllm_modules
 from agentopsd.rollout.vllm_backend import VLLMGenerator, iter_full_weights
+from tests.fakes.fake_engine import fake_vllm_modules
 
 
 class FakeModel:

@@ -216,7 +216,7 @@ def test_monte_carlo_values_of_many_states_share_one_policy_call_per_turn() -> N
 
 
 def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
-    """scripts/credit_quality.py end to end: a run folder with one shard in, a table out."""
+    """studies/credit_quality.py end to end: a run folder with one shard in, a table out."""
     import subprocess
     import sys
     from pathlib import Path
@@ -234,7 +234,7 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
     write_shard(run / "rollouts" / "rollouts-000001.tar", records)
     out = tmp_path / "table"
     root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, "scripts/credit_quality.py", str(run), "--resamples", "50", "--out", str(out)],
+    done = subprocess.run([sys.executable, "studies/credit_quality.py", str(run), "--resamples", "50", "--out", str(out)],
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     table = (out / "table.md").read_text()

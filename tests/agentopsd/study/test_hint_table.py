@@ -32,7 +32,7 @@ def _env(env_id: str, max_turns: int) -> gym.Env:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A small tiny policy whose tokenizer knows both BabyAI skill files (random weights: the numbers only need to differ)."""
-    from agentopsd.tiny import tiny_policy
+    from agentopsd.models.tiny import tiny_policy
 
     torch.manual_seed(0)
     model, tok = tiny_policy(KEYDOOR, skills="babyai_keydoor", vocab_size=400, hidden_size=32, num_layers=1, num_heads=2,

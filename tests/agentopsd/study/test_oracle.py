@@ -215,7 +215,7 @@ def test_hydra_selects_the_oracle_on_the_keydoor_experiment() -> None:
 
 def test_the_trainers_batch_carries_what_the_oracle_reads(group) -> None:
     """A RolloutBatch as the module builds it (collate_trajectories), the teacher view's log-probs filled in."""
-    from agentopsd.data import collate_trajectories
+    from agentopsd.training.data import collate_trajectories
 
     trajs, _ = group
     rb = collate_trajectories(trajs, pad_id=0)

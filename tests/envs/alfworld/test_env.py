@@ -151,7 +151,7 @@ def test_the_expert_label_is_the_stored_plans_length(eval_env: ALFWorldEnv, cach
 
 
 def test_credit_quality_command_on_a_logged_alfworld_run(cache: Path, tmp_path: Path) -> None:
-    """scripts/credit_quality.py on ALFWorld: the logged episodes replayed and labelled by the expert."""
+    """studies/credit_quality.py on ALFWorld: the logged episodes replayed and labelled by the expert."""
     import yaml
 
     from agentopsd.callbacks.rollout_logging import write_shard
@@ -178,7 +178,7 @@ def test_credit_quality_command_on_a_logged_alfworld_run(cache: Path, tmp_path: 
     (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"name": "grpo"}, "env": {"id": ENV_ID, "max_turns": 50}}))
     write_shard(run / "rollouts" / "rollouts-000001.tar", records)
     root = Path(__file__).resolve().parents[3]
-    done = subprocess.run([sys.executable, "scripts/credit_quality.py", str(run), "--resamples", "50", "--out", str(tmp_path / "t")],
+    done = subprocess.run([sys.executable, "studies/credit_quality.py", str(run), "--resamples", "50", "--out", str(tmp_path / "t")],
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     table = (tmp_path / "t" / "table.md").read_text()
