@@ -549,7 +549,9 @@ def _last_logits_fn(model: nn.Module, whole: bool = False):
 
     def decoder_then_head(ids: torch.Tensor, attn, pos: torch.Tensor, cache) -> torch.Tensor:
         hidden = decoder(input_ids=ids, attention_mask=attn, position_ids=pos, **{cache_kw: cache}, use_cache=True)
-        return head(hidden.last_hidden_state[:, -1:])[:, -1].float()  # [B, 1, H] in, as the whole model's head sees it
+        # [B, 1, H] in, as the whole model's head sees it, made contiguous: a strided slice makes matmul broadcast the
+        # head's weight to [B, H, V] and run a batched matmul (in bf16 a 0.9 GB copy at B=16 and SmolLM2's 49,152 tokens)
+        return head(hidden.last_hidden_state[:, -1:].contiguous())[:, -1].float()
 
     return decoder_then_head
 

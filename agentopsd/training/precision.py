@@ -10,8 +10,11 @@ there: it answers "can run", not "runs fast".
 What a bf16 choice means on a CPU under ``trainer.precision=32-true`` (:func:`weight_plan`):
 
 - LoRA: the frozen base (and with it the KL reference, a copy of the policy) is stored in bf16; the adapters and
-  their AdamW states stay float32 (peft keeps adapters float32 over a half-precision base). Rollout, teacher
-  scoring and update all run this one model.
+  their AdamW states stay float32 (peft keeps adapters float32 over a half-precision base); the update runs this
+  model. Generation and teacher scoring run a plain bf16 copy with the adapters merged into its weights,
+  re-merged before each rollout (:func:`half_copy`, :func:`copy_weights`), as TRL merges adapters into its vLLM
+  engine: the adapters' own float32 matmuls, casts and adds cost as much as the base's bf16 matmuls on a CPU
+  (SmolLM2 with LoRA r=16 on every linear layer, one batched prefill: about 40% of the time).
 - Full fine-tuning: float32 master weights (the update, the optimizer, the reference) and a bf16 copy that
   generates and scores the teacher view, refreshed from the master weights before each rollout
   (:func:`copy_weights`), as a vLLM engine is synced.
@@ -140,13 +143,14 @@ def weight_plan(choice: PrecisionChoice, *, device: str, trainer_precision: str,
     float32 master weights; FSDP2 shards one float32 policy)."""
     if choice.dtype != "bfloat16" or device != "cpu" or str(trainer_precision) not in FLOAT32_PRECISIONS or sharded:
         return FLOAT32_PLAN
-    return WeightPlan(frozen_half=True) if lora else WeightPlan(generation_dtype=torch.bfloat16)
+    return WeightPlan(frozen_half=lora, generation_dtype=torch.bfloat16)
 
 
 def describe(choice: PrecisionChoice, requested: str, *, lora: bool, device: str) -> str:
     """The one log line: which precision and why, and what it means for the weights."""
     if choice.dtype == "bfloat16" and device == "cpu":
-        what = ("frozen base weights in bf16, LoRA adapters and optimizer states float32" if lora else
+        what = ("frozen base weights in bf16, LoRA adapters and optimizer states float32, a merged bf16 copy "
+                "generates and scores" if lora else
                 "float32 master weights, a bf16 copy generates and scores (under trainer.precision=32-true)")
     else:
         what = f"weights loaded as {choice.dtype}"
@@ -166,18 +170,60 @@ def plan_for_config(cfg) -> WeightPlan:
                        lora=bool(model.get("lora")), sharded=target.endswith("FSDP2Strategy"))
 
 
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """A peft model's LoRA layers by their name in the transformers model under it (``{}`` without peft): each wraps
+    a plain layer (``base_layer``) and adds its adapters' delta (``get_delta_weight``)."""
+    get_base = getattr(model, "get_base_model", None)
+    if not callable(get_base):
+        return {}
+    return {name: m for name, m in get_base().named_modules()
+            if hasattr(m, "base_layer") and callable(getattr(m, "get_delta_weight", None))}
+
+
 def half_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A frozen copy of ``model`` with its parameters in ``dtype``, for generation and scoring (the master weights
-    stay as they are). Buffers keep their dtype: the rotary ``inv_freq`` is float32 in a model loaded in bf16 too."""
-    out = copy.deepcopy(model).requires_grad_(False).eval()
+    stay as they are). Buffers keep their dtype: the rotary ``inv_freq`` is float32 in a model loaded in bf16 too.
+
+    A LoRA policy's copy is the plain transformers model with the adapters merged into its weights
+    (:func:`copy_weights` merges them): no adapter runs at generation time."""
+    lora = lora_layers(model)
+    if lora:
+        # deepcopy's memo stands each LoRA layer's plain base layer in for the LoRA layer: the copy holds no adapters
+        memo = {id(layer): copy.deepcopy(layer.base_layer) for layer in lora.values()}
+        out = copy.deepcopy(model.get_base_model(), memo)
+    else:
+        out = copy.deepcopy(model)
+    out.requires_grad_(False).eval()
     for p in out.parameters():  # each tied parameter once
         p.data = p.data.to(dtype)
+    if lora:
+        copy_weights(out, model)
     return out
 
 
 @torch.no_grad()
 def copy_weights(dst: nn.Module, src: nn.Module) -> None:
-    """``dst``'s parameters and buffers made ``src``'s, cast to ``dst``'s dtypes (the two share one architecture)."""
+    """``dst``'s parameters and buffers made ``src``'s, cast to ``dst``'s dtypes (the two share one architecture).
+    A LoRA ``src`` (:func:`lora_layers`) is merged: each wrapped layer's weight is its base weight plus its active
+    adapters' deltas, summed in float32 and rounded once into ``dst``."""
+    lora = lora_layers(src)
+    if lora:
+        src_state = src.get_base_model().state_dict(keep_vars=True)
+        modules = dict(dst.named_modules())
+        for name, layer in lora.items():
+            merged = layer.base_layer.weight.float()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A and not layer.merged:
+                    merged = merged + layer.get_delta_weight(adapter).float()
+            modules[name].weight.copy_(merged)
+        for key, tensor in dst.state_dict(keep_vars=True).items():
+            owner, _, leaf = key.rpartition(".")
+            source = src_state[f"{owner}.base_layer.{leaf}" if owner in lora else key]
+            if owner in lora and leaf == "weight":
+                continue  # merged above
+            if tensor.data_ptr() != source.data_ptr():
+                tensor.copy_(source)
+        return
     for (name, a), (other, b) in zip(dst.state_dict(keep_vars=True).items(), src.state_dict(keep_vars=True).items()):
         if name != other:
             raise ValueError(f"the generation copy's {name} met the policy's {other}: not the same architecture")

@@ -10,6 +10,7 @@ import torch
 
 from agentopsd.models import loading as models
 from agentopsd.models.loading import build_tiny_policy, load_policy
+from agentopsd.training import precision
 from agentopsd.training.precision import (
     FLOAT32_PLAN,
     PrecisionChoice,
@@ -77,7 +78,7 @@ def test_the_smollm2_recipe_asks_for_auto_and_its_plan_follows_the_flags(monkeyp
     cfg = recipe()
     assert cfg.model.dtype == "auto" and cfg.trainer.precision == "32-true"
     monkeypatch.setattr(precision, "read_cpu_flags", lambda: ZEN4)
-    assert precision.plan_for_config(cfg) == WeightPlan(frozen_half=True)  # LoRA: the base in bf16
+    assert precision.plan_for_config(cfg) == WeightPlan(frozen_half=True, generation_dtype=torch.bfloat16)  # LoRA: bf16 base, merged copy
     assert precision.plan_for_config(recipe("model.lora=null")) == WeightPlan(generation_dtype=torch.bfloat16)
     assert precision.plan_for_config(recipe("model.dtype=float32")) == FLOAT32_PLAN
     monkeypatch.setattr(precision, "read_cpu_flags", lambda: NO_BF16)
@@ -87,7 +88,7 @@ def test_the_smollm2_recipe_asks_for_auto_and_its_plan_follows_the_flags(monkeyp
 def test_bf16_storage_only_on_a_cpu_under_a_float32_trainer_precision_without_fsdp():
     bf16 = PrecisionChoice("bfloat16", "")
     cpu = {"device": "cpu", "trainer_precision": "32-true", "sharded": False}
-    assert weight_plan(bf16, **cpu, lora=True) == WeightPlan(frozen_half=True)
+    assert weight_plan(bf16, **cpu, lora=True) == WeightPlan(frozen_half=True, generation_dtype=torch.bfloat16)
     assert weight_plan(bf16, **cpu, lora=False) == WeightPlan(generation_dtype=torch.bfloat16)
     assert weight_plan(bf16, **cpu, lora=True).half_rollout and not FLOAT32_PLAN.half_rollout
     # today's plan: a float32 choice, a GPU, a mixed precision (autocast over float32 master weights), FSDP2
@@ -160,3 +161,31 @@ def test_the_generation_copy_is_bf16_and_follows_the_master_weights(tok):  # noq
     copy_weights(copy, master)
     for a, b in zip(copy.parameters(), master.parameters()):
         assert torch.equal(a, b.to(torch.bfloat16))
+
+
+def test_a_lora_policys_generation_copy_is_plain_with_the_adapters_merged(folder):
+    """No adapter runs at generation: the copy is the transformers model, each LoRA layer's weight its base weight
+    plus the adapters' delta, re-merged by copy_weights after the adapters move (as before each rollout)."""
+    model, _ = load_policy(folder, dtype="float32", lora=LORA)
+    ids = torch.tensor([[5, 9, 12, 40, 7, 3]])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at 0: move it so that the adapters change the logits
+                p.normal_(0, 0.05)
+        copy = half_copy(model, torch.float32)
+        assert not precision.lora_layers(copy) and not any("lora_" in n for n, _ in copy.named_parameters())
+        assert not any(p.requires_grad for p in copy.parameters())
+        assert (model(input_ids=ids).logits - copy(input_ids=ids).logits).abs().max() < 1e-4
+        with model.disable_adapter():
+            plain = model(input_ids=ids).logits
+        assert (plain - copy(input_ids=ids).logits).abs().max() > 1e-3  # the adapters do change what it plays
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.add_(0.1)
+        copy_weights(copy, model)
+        assert (model(input_ids=ids).logits - copy(input_ids=ids).logits).abs().max() < 1e-4
+        # in bf16: each merged weight is the float32 sum rounded once
+        half = half_copy(model, torch.bfloat16)
+        name, layer = next(iter(precision.lora_layers(model).items()))
+        expected = (layer.base_layer.weight.float() + layer.get_delta_weight("default").float()).to(torch.bfloat16)
+        assert torch.equal(dict(half.named_modules())[name].weight, expected)
