@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentopsd.tools.memory import QWEN25, compose_config
+from agentopsd.tools.architecture import QWEN25
+from agentopsd.tools.memory import compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine-without-CUDA path")

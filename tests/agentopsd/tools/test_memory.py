@@ -12,15 +12,8 @@ import torch
 import transformers
 
 from agentopsd.tools import memory
-from agentopsd.tools.memory import (
-    GIB,
-    QWEN25,
-    MemoryPlan,
-    architecture_of,
-    compose_config,
-    measure_cpu_peak,
-    plan_memory,
-)
+from agentopsd.tools.architecture import QWEN25, architecture_of
+from agentopsd.tools.memory import GIB, MemoryPlan, compose_config, measure_cpu_peak, plan_memory
 
 ROOT = Path(__file__).resolve().parents[3]
 PAPER_EXPERIMENTS = [f"{env}_{size}" for env in ("alfworld", "webshop", "searchqa") for size in ("3b", "7b")]
@@ -433,7 +426,7 @@ def test_bytes_per_logit_are_what_the_scorer_holds() -> None:
 def test_a_prepared_model_is_planned_before_it_is_prepared() -> None:
     """model=smollm2-135m plans from the built-in shape (134,515,008 parameters, as the prepared folder's config),
     with no folder on disk and no download."""
-    from agentopsd.tools.memory import architecture_of
+    from agentopsd.tools.architecture import architecture_of
 
     arch, why = architecture_of({"path": "smollm2-135m"})
     assert why == "" and arch is not None and arch.parameters == 134_515_008 and not arch.qkv_bias
