@@ -23,8 +23,8 @@ Threads: ``--threads`` sets ``OMP_NUM_THREADS`` for the run (default: as the cal
 
 ``--micro`` times each phase's unit of work in this process instead, on real PickupObj rows (4 training tasks x 4
 expert turns, the model's chat template), in float32 and in bf16 side by side (LoRA r=16 both ways; bf16: the
-frozen base stored in bf16, the adapters float32, what ``model.dtype=auto`` gives where the CPU has avx512_bf16 or
-AMX), printed as a table with their ratio: one rollout turn (16 prompts, 8 new tokens, KV cache), teacher scoring of
+frozen base stored in bf16, the adapters float32, and the rollout turn and teacher scoring on a plain bf16 copy with
+the adapters merged: what ``model.dtype=auto`` gives where the CPU has avx512_bf16 or AMX), printed as a table with their ratio: one rollout turn (16 prompts, 8 new tokens, KV cache), teacher scoring of
 the 16 teacher views (shared prefixes once), one update micro-batch (8 rows, forward and backward) and one
 warm-start step (4 samples). A few minutes on SmolLM2; ``--model tiny`` runs it in seconds on the tiny Qwen2.
 Whether bf16 pays depends on the processor: the table names its native bf16 flags.
@@ -317,7 +317,10 @@ def _phases(path: str, dtype: str) -> tuple[dict[str, object], dict[str, int]]:
     pad = tokenizer.pad_token_id
     students, teachers, replies, samples = micro_rows(tokenizer)
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, stop_strings=("</action>",), seed=0)
-    generator = HFGenerator(model, tokenizer)
+    # as the run holds them: bf16 generates and scores the teacher view on a plain copy with the adapters merged
+    half = torch.bfloat16 if dtype == "bfloat16" else None
+    generator = HFGenerator(model, tokenizer, weights_dtype=half)
+    scorer = generator.model
 
     def rollout_turn() -> None:
         torch.manual_seed(0)  # the same draws in both precisions, as far as their numbers allow
@@ -326,7 +329,7 @@ def _phases(path: str, dtype: str) -> tuple[dict[str, object], dict[str, int]]:
     def teacher_scoring() -> None:
         model.eval()
         with torch.no_grad():
-            continuation_logprobs(model, teachers, replies, pad_id=pad, temperature=1.0)
+            continuation_logprobs(scorer, teachers, replies, pad_id=pad, temperature=1.0)
 
     phases = {
         "rollout turn": rollout_turn,

@@ -165,6 +165,11 @@ def _encode(builder: PromptBuilder, tokenizer, sample: dict, teacher: bool) -> t
     return prompt, _reply(tokenizer, sample["expert"] if teacher else sample["taken"])
 
 
+def _head_bytes(p: torch.Tensor, n: int = 4096) -> bytes:
+    """The first ``n`` bytes of a tensor's data, whatever its dtype."""
+    return p.detach().cpu().contiguous().view(-1).view(torch.uint8)[:n].numpy().tobytes()
+
+
 def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float]:
     """Write (or reuse) the demonstration shard, then train on it for ``cfg.seconds`` or ``cfg.steps``.
 
@@ -196,7 +201,8 @@ def warm_start(model, tokenizer, env_cfg, cfg, out_dir: Path) -> dict[str, float
         log.info("wrote %d demonstration turns to %s in %.1fs", n, shard, time.perf_counter() - t0)
     # the warm-started weights are cached next to the shard: a rerun with the same settings
     # (and the same initial weights) skips the supervised stage
-    init = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes()[:4096] for p in model.parameters())).hexdigest()[:10]
+    # the first 4 KB of each parameter's bytes (as bytes: numpy has no bf16, and a bf16 base is a different start)
+    init = hashlib.sha1(b"".join(_head_bytes(p) for p in model.parameters())).hexdigest()[:10]
     key = hashlib.sha1(f"{shard.name}|{sorted(cfg.items())}|{init}|{env_cfg.history_window}|{env_cfg.get('show_admissible')}".encode()).hexdigest()[:12]
     cached = Path(out_dir) / f"policy-{key}.pt"
     if cached.exists():

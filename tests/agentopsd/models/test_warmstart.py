@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import webdataset as wds
 
 import agentopsd.envs  # noqa: F401
@@ -181,3 +182,24 @@ def test_reply_loss_equals_the_whole_models_loss_and_gradient(keydoor_policy) ->
     assert want.keys() == got.keys() and any(g.abs().max() > 0 for g in want.values())
     for k, g in want.items():
         torch.testing.assert_close(got[k], g, atol=1e-6, rtol=1e-4, msg=k)
+
+
+def test_a_bf16_base_warm_starts_and_keys_apart(tmp_path, keydoor_policy) -> None:
+    """model.dtype=auto stores a LoRA base in bf16 on a CPU with native bf16: the warm start's cache key reads its
+    bytes (numpy has no bf16: it raised TypeError before training), and a float32 model keys as it did."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from agentopsd.warmstart import _head_bytes, warm_start
+
+    model, tok = keydoor_policy
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    env = OmegaConf.create({"id": KEYDOOR, "skills": None, "max_turns": 8, "history_window": 0, "show_admissible": False,
+                            "system_prompt": "Act.", "output_format": "action", "max_prompt_tokens": 512})
+    ws = OmegaConf.create({"episodes": 2, "noise": 0.0, "teacher_fraction": 0.0, "seed": 0, "lr": 1e-3, "batch_size": 2,
+                           "warmup": 1, "steps": 1, "seconds": 60})
+    warm_start(half, tok, env, ws, tmp_path)
+    assert len(list(tmp_path.glob("*.pt"))) == 1  # trained and cached under its own key
+    weights = torch.randn(3000)
+    assert _head_bytes(weights) == weights.numpy().tobytes()[:4096]  # float32: the key earlier runs cached under
