@@ -191,7 +191,7 @@ def test_a_bf16_base_warm_starts_and_keys_apart(tmp_path, keydoor_policy) -> Non
 
     from omegaconf import OmegaConf
 
-    from agentopsd.warmstart import _head_bytes, warm_start
+    from agentopsd.models.warmstart import _head_bytes, warm_start
 
     model, tok = keydoor_policy
     half = copy.deepcopy(model).to(torch.bfloat16)
