@@ -148,7 +148,7 @@ def test_a_settings_field_no_yaml_sets_still_appears_with_its_class_default():
 def _source_text() -> str:
     """The project's Python, with implicitly concatenated string literals joined (a message split over lines)."""
     text = "\n".join(
-        p.read_text() for d in ("agentopsd", "envs", "callbacks", "scripts") for p in (ROOT / d).rglob("*.py")
+        p.read_text() for d in ("agentopsd", "envs", "callbacks", "scripts", "studies") for p in (ROOT / d).rglob("*.py")
     )
     return re.sub(r"\"\s*\n\s*f?\"", "", text)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"agentopsd": "agentopsd", "envs": "agentopsd.envs", "callbacks": "agentopsd.callbacks"}
 """Top-level folders and the dotted names their files import as (envs/ and callbacks/ install under agentopsd)."""
-FLAT = ("scripts", "benchmarks", "tests")
+FLAT = ("scripts", "studies", "benchmarks", "tests")
 """Folders whose files import their siblings by bare name (the folder is on ``sys.path`` when they run)."""
 
 
@@ -74,7 +74,7 @@ def imports_of(name: str, path: Path, files: dict[str, Path], root: Path = ROOT)
                 # `from pkg import sub` imports the submodule when there is one
                 full = f"{mod}.{alias.name}"
                 hit = full if full in files else (resolve(mod) if not node.level and mod.split(".")[0] in
-                                                   ("agentopsd", "tests", "scripts", "benchmarks") else None)
+                                                   ("agentopsd", "tests", "scripts", "studies", "benchmarks") else None)
                 hit = hit or resolve(mod) or (bare(mod) if not node.level else None)
                 if hit:
                     targets.add(hit)
