@@ -61,9 +61,9 @@ FSDP_SCRIPT = textwrap.dedent('''
         return ids, attn, labels
 
     torch.manual_seed(0)  # LoRA's random A: the same on every rank, as train.py seeds them
-    model, tokenizer = load_policy(folder, lora=LORA)
+    model, tokenizer = load_policy(folder, dtype="float32", lora=LORA)  # sharding under test, not precision (auto: bf16 on some CPUs)
     torch.manual_seed(0)
-    plain, _ = load_policy(folder, lora=LORA)  # unsharded, the same weights
+    plain, _ = load_policy(folder, dtype="float32", lora=LORA)  # unsharded, the same weights
     ids, attn, labels = rows(tokenizer)
     with torch.no_grad():
         plain_loss = plain(input_ids=ids, attention_mask=attn, labels=labels).loss
