@@ -389,6 +389,18 @@ def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
+def views_differ(ids: Tensor, attn: Tensor, teacher_ids: Tensor, teacher_attn: Tensor) -> Tensor:
+    """``[M]`` bool: rows whose teacher view holds other tokens than the student's (compared as token sequences,
+    padding ignored). Where a skill bank has nothing for a turn (a skill scoped to the turns that face a key or a
+    door) the two views are one context, so the teacher's log-probs are the student's and the evidence is exactly
+    0: the teacher forward runs only on the rows that differ."""
+    lengths, teacher_lengths = attn.sum(1), teacher_attn.sum(1)
+    differ = lengths != teacher_lengths
+    for row in (~differ).nonzero().flatten().tolist():
+        differ[row] = not torch.equal(ids[row][attn[row].bool()], teacher_ids[row][teacher_attn[row].bool()])
+    return differ
+
+
 def _trimmed(ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The rows cut to their longest real length, and ``source``: the positions whose hidden
     state predicts an action token (position j-1 predicts token j)."""
@@ -543,10 +555,15 @@ class Scorer:
         if with_teacher and rb.engine_teacher_logprobs is not None:
             rb.student_logprobs, rb.teacher_logprobs = generated, rb.engine_teacher_logprobs
         elif with_teacher:
-            rb.teacher_logprobs = self.action_logprobs(rb, "teacher", model=teacher_model)
-            scored += float(rb.teacher_attention_mask.sum())
             if teacher_model is not None:
                 rb.student_logprobs = generated
+            rows = views_differ(rb.input_ids, rb.attention_mask, rb.teacher_input_ids, rb.teacher_attention_mask)
+            rows = rows.nonzero().flatten()
+            # the same view scored by the same weights: the student's log-probs (those the gap is taken against)
+            rb.teacher_logprobs = rb.student_logprobs.clone()
+            if rows.numel() or self.sharded:  # a sharded forward is a collective: a rank with no rows still joins
+                rb.teacher_logprobs[rows] = self.action_logprobs(rb, "teacher", rows, model=teacher_model)
+            scored += float(rb.teacher_attention_mask[rows].sum())
         return scored, backend_gap
 
     def logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, *, entropy: bool,

@@ -391,3 +391,30 @@ def test_chunk_settings_are_checked():
         OptimConfig(logits_chunk_tokens=-1)
     with pytest.raises(ValueError, match="must be > 0 to chunk"):
         chunked_scores(torch.nn.Linear(4, 8), torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), 1.0, entropy=False, chunk=0)
+
+
+def test_the_teacher_forward_runs_only_where_the_views_differ(policy):
+    """A turn the skill bank has nothing for has one context in both views: its teacher log-probs are the
+    generator's own (the evidence exactly 0) and it costs no forward; a turn with a skill block is scored."""
+    from agentopsd.rollout.scoring import Scorer, views_differ
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (12, 9, 15, 7)]
+    actions = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (3, 4, 2, 3)]
+    skill = torch.randint(3, 96, (6,), generator=g).tolist()
+    teacher_prompts = [p[:2] + skill + p[2:] if r in (0, 2) else p for r, p in enumerate(prompts)]
+    rb = _rollout_batch([p + a for p, a in zip(prompts, actions)], [len(a) for a in actions])
+    t_ids, t_attn, t_source = _batch([p + a for p, a in zip(teacher_prompts, actions)], [len(a) for a in actions])
+    rb.teacher_input_ids, rb.teacher_attention_mask = t_ids, t_attn
+    rb.teacher_action_mask = torch.zeros_like(t_source)
+    rb.teacher_action_mask[:, 1:] = t_source[:, :-1]
+    assert views_differ(rb.input_ids, rb.attention_mask, t_ids, t_attn).tolist() == [True, False, True, False]
+    generated = -torch.rand(rb.action_mask.shape, generator=g) * rb.action_mask  # the generator's own log-probs
+    rb.old_logprobs = generated.clone()
+    scorer = Scorer(policy.eval(), 0, 1.0, 2, 0, torch.device("cpu"))
+    with torch.no_grad():
+        full = scorer.action_logprobs(rb, "teacher", model=policy)
+        scored, _ = scorer.score_rollout(rb, recompute_old=False, with_teacher=True, tis_cap=None, teacher_model=policy)
+    assert torch.equal(rb.teacher_logprobs[[1, 3]], generated[[1, 3]])
+    torch.testing.assert_close(rb.teacher_logprobs[[0, 2]], full[[0, 2]])
+    assert scored == float(t_attn[[0, 2]].sum())
