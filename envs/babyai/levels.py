@@ -46,6 +46,7 @@ LEVEL_SPECS: dict[str, LevelSpec] = {
     "PutNextLocal": LevelSpec("BabyAI-PutNextLocal-v0", 128, True),
     "UnlockPickup": LevelSpec("BabyAI-UnlockPickup-v0", 128, True),
     # several decisive turns (the key of the door's colour, the door, the box): the credit ladder
+    "KeyDoorBoxS4": LevelSpec("agentopsd.envs.babyai.custom:KeyDoorBox", 64, True, (("room_size", 4),), 256),
     "KeyDoorBoxS5": LevelSpec("agentopsd.envs.babyai.custom:KeyDoorBox", 64, True, (("room_size", 5),), 256),
     "KeyDoorBoxS6": LevelSpec("agentopsd.envs.babyai.custom:KeyDoorBox", 64, True, (("room_size", 6),), 256),
     "KeyDoorBoxS7": LevelSpec("agentopsd.envs.babyai.custom:KeyDoorBox", 96, True, (("room_size", 7),), 256),
