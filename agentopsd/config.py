@@ -182,8 +182,8 @@ class OptimConfig:
     """Clamp each token's k3 KL value to ``[-kl_clamp, kl_clamp]`` (verl's ``low_var_kl``: 10); 0 = off."""
     tis_cap: float = 0.0
     """Truncated importance sampling for the engine/trainer mismatch: each token's loss is weighted
-    by ``min(exp(log pi_trainer_old - log pi_engine), tis_cap)`` (verl's ``tis_imp_ratio_cap``, 2 in
-    its recipes). Needs ``rollout.recompute_old_logprobs``; off on the transformers backend, whose
+    by ``min(exp(log pi_trainer_old - log pi_engine), tis_cap)`` (verl's ``rollout_is_threshold`` with
+    ``rollout_is=token``, ``tis_imp_ratio_cap`` before verl 0.6; 2 in its recipes). Needs ``rollout.recompute_old_logprobs``; off on the transformers backend, whose
     behaviour log-probs are the trainer's. 0 = off. With ``rollout.max_staleness > 0`` it is always on (the
     behaviour policy is older weights), capped here, or at 2 when this is 0."""
     logprob_diff_warning: float = 0.05

@@ -461,7 +461,8 @@ def setup_problems(setup: PeerSetup, model, tokenizer) -> list[str]:
         "clip low / high": ((args.epsilon, args.epsilon_high), (module.algorithm.eps_low, module.algorithm.eps_high)),
         "KL coefficient": (args.beta, module.algorithm.kl_coef),
         "epochs per rollout": (args.num_iterations, module.optim_cfg.ppo_epochs),
-        "optimizer steps per rollout": (args.gradient_accumulation_steps // args.steps_per_generation, module.optim_cfg.num_mini_batches),
+        # TRL steps the optimizer once per gradient_accumulation_steps micro-steps of a generation's steps_per_generation
+        "optimizer steps per rollout": (args.steps_per_generation // args.gradient_accumulation_steps, module.optim_cfg.num_mini_batches),
         "activation checkpointing": (bool(args.gradient_checkpointing), False),
         "half precision": (bool(args.bf16 or args.fp16), False),
     }
