@@ -470,8 +470,9 @@ class MemoryPlan:
             rows += self.worker.rows()
         worker_rows = self.worker.rows() if self.worker is not None and self.worker.own_gpu else []
         width = max(len(r[0]) for r in rows + worker_rows) + 2
-        lines = [f"memory plan per trainer GPU ({_gpu_list(self.trainer_gpus)}): {self.model} ({a.parameters / 1e9:.2f}B "
-                 f"parameters, {a.source}), {how}, precision {self.precision} (compute {self.compute_dtype})"]
+        which = f"per trainer GPU ({_gpu_list(self.trainer_gpus)})" if self.worker is not None else "per GPU"
+        lines = [f"memory plan {which}: {self.model} ({a.parameters / 1e9:.2f}B parameters, {a.source}), {how}, "
+                 f"precision {self.precision} (compute {self.compute_dtype})"]
         lines += [f"  {label:<{width}}{_gib(value):>8} GiB" for label, value in rows]
         if self.vllm:
             lines.append("  phases (" + ("vLLM sleeps during the update and scoring, wakes its weights for the sync, then its "
