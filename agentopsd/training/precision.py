@@ -68,7 +68,8 @@ class WeightPlan:
     frozen_as_loaded: bool = False
     """On a GPU outside FSDP2: the frozen weights keep the half dtype they load in (``model.dtype``: bf16 in the GPU
     configs), as the memory plan counts them: a LoRA base (only its adapters, and their AdamW states, become float32)
-    and the KL reference (not upcast to the policy's float32 master weights; it scores under the update's autocast).
+    and the KL reference (not upcast to the policy's float32 master weights; it scores in bf16, under the update's
+    autocast or, under ``32-true``, in its own dtype).
     Nothing else changes: the policy itself generates, so the rollout is not :attr:`half_rollout`."""
 
     @property
