@@ -49,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_settings(cfg)
     _check_update_numerics(cfg)
     _check_rollout_backend(cfg)
+    _check_colocated_async_engine(cfg)
     _check_evaluation_size(cfg)
     _check_precision(cfg)
     _check_model_dtype(cfg)
@@ -155,6 +156,17 @@ def _check_rollout_backend(cfg: DictConfig) -> None:
         )
     if not cfg.model.get("path"):
         raise ConfigError("rollout=vllm loads the weights itself and needs model.path; this model has none: use rollout=hf")
+
+
+def _check_colocated_async_engine(cfg: DictConfig) -> None:
+    """An asynchronous worker's vLLM engine on the trainer's own GPU never sleeps: refused where the memory plan's
+    arithmetic says that GPU cannot hold it beside the trainer (the rule: :func:`agentopsd.tools.memory.
+    colocated_async_engine_problem`)."""
+    from agentopsd.tools.memory import colocated_async_engine_problem
+
+    problem = colocated_async_engine_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_evaluation_size(cfg: DictConfig) -> None:

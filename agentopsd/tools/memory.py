@@ -26,7 +26,11 @@ What it counts, per GPU (bytes; printed in GiB):
   activations all live inside it), and estimates for the CUDA context, NCCL and fragmentation
   (``RUNTIME_MARGIN_BYTES``) and for a sleeping engine (``VLLM_ASLEEP_BYTES``), named as such in the report;
 - the weight sync's temporary memory: two full tensors of the largest weight in the dtype they travel in
-  (the one being gathered and the one the engine is loading).
+  (the one being gathered and the one the engine is loading);
+- with ``rollout.max_staleness`` >= 1, each rank's rollout worker (:mod:`agentopsd.tools.worker_memory`): its bf16
+  policy copy, its engine (never asleep) and its weight-staging buckets (``--staging-bucket-mib``, 2 x 512 MiB by
+  default), on the trainer's GPU beside every phase when ``rollout.devices`` is unset, else in a plan of its own
+  GPU; the report then ends with one line per GPU of a node.
 
 The plan is the largest of its phases (``MemoryPlan.phases``: the update's forward and backward, its
 optimizer step, the scoring passes, and with vLLM the weight sync and the rollout); the report prints each
@@ -57,6 +61,13 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from agentopsd.tools.architecture import Architecture, architecture_of
+from agentopsd.tools.worker_memory import (
+    STAGING_BUCKET_BYTES,
+    WorkerPlan,
+    plan_worker,
+    rollout_devices,
+    staleness,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -269,6 +280,21 @@ class MemoryPlan:
     """``optim.offload_optimizer``: AdamW's states are in host memory while the engine syncs and generates."""
     vllm_asleep: int = 0
     """What a sleeping vLLM engine keeps (``VLLM_ASLEEP_BYTES``, an estimate)."""
+    reference_dtype: str = ""
+    """The KL reference's dtype: the one the weights load in (never upcast: :func:`frozen_dtype`)."""
+    frozen_dtype: str = ""
+    """A LoRA policy's frozen base's dtype (``""`` without LoRA): :func:`frozen_dtype`."""
+    worker: WorkerPlan | None = None
+    """The asynchronous rollout worker (``rollout.max_staleness`` >= 1) of each trainer rank; None in lockstep."""
+    trainer_gpus: tuple[int, ...] = ()
+    """The trainer ranks' GPUs on each node (indices of the visible devices)."""
+    worker_gpus: tuple[int, ...] = ()
+    """``rollout.devices``: the workers' own GPUs (empty: each worker on its trainer rank's GPU)."""
+
+    @property
+    def colocated_worker(self) -> int:
+        """The worker's bytes on the trainer's GPU, beside every phase (its engine never sleeps); 0 on its own GPU."""
+        return self.worker.total if self.worker is not None and not self.worker.own_gpu else 0
 
     @property
     def training(self) -> int:
@@ -292,7 +318,7 @@ class MemoryPlan:
         """Per-GPU bytes in each phase of an iteration: the update's forward and backward (``update``), its
         optimizer step, the no-grad scoring passes after the rollout and, with vLLM, the weight sync and the
         rollout."""
-        beside = self._vllm_beside_update
+        beside = self._vllm_beside_update + self.colocated_worker
         step_buckets = self.gathered if self.strategy == "ddp" else 0  # DDP's buckets outlive the backward
         out = {
             "update": self.training + beside + self.margin,
@@ -303,10 +329,10 @@ class MemoryPlan:
         }
         if self.vllm:
             if self.sleep_mode:
-                out["sync"] = self.resident + self.vllm_weights + self.sync_temporary
-                out["rollout"] = self.resident + self.vllm
+                out["sync"] = self.resident + self.vllm_weights + self.sync_temporary + self.colocated_worker
+                out["rollout"] = self.resident + self.vllm + self.colocated_worker
             else:
-                out["sync"] = self.resident + self.vllm + self.sync_temporary
+                out["sync"] = self.resident + self.vllm + self.sync_temporary + self.colocated_worker
         return out
 
     @property
@@ -316,8 +342,14 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        """The largest phase: what the GPU must hold."""
+        """The largest phase: what the trainer's GPU must hold."""
         return max(self.phases.values())
+
+    @property
+    def fits(self) -> bool:
+        """Every GPU of the run holds its plan: the trainer's, and a worker's own where it has one."""
+        worker_own = self.worker.total if self.worker is not None and self.worker.own_gpu else 0
+        return self.total <= self.gpu_memory and worker_own <= self.gpu_memory
 
     @property
     def sharded_state(self) -> int:
@@ -332,6 +364,10 @@ class MemoryPlan:
         if self.total > self.gpu_memory:
             out.append(f"memory plan: about {_gib(self.total)} GiB per GPU needed, the GPU has {_gib(self.gpu_memory)} GiB; "
                        f"ways down: {'; '.join(self._remedies())}")
+        if self.worker is not None and self.worker.own_gpu and self.worker.total > self.gpu_memory:
+            out.append(f"memory plan: each rollout worker's GPU needs about {_gib(self.worker.total)} GiB, it has "
+                       f"{_gib(self.gpu_memory)} GiB; ways down: a lower rollout.vllm.gpu_memory_utilization, fewer "
+                       "data.tasks_per_batch per rank (transformers' KV cache)")
         if self.vllm and self.vllm < self.vllm_weights:
             out.append(f"memory plan: rollout.vllm.gpu_memory_utilization gives vLLM {_gib(self.vllm)} GiB, less than its "
                        f"{_gib(self.vllm_weights)} GiB of weights (it also needs KV cache): raise it")
@@ -339,6 +375,10 @@ class MemoryPlan:
 
     def _remedies(self) -> list[str]:
         out = []
+        if self.colocated_worker:
+            out.append(f"rollout.devices=[...] gives each rollout worker a GPU of its own (it holds "
+                       f"{_gib(self.colocated_worker)} GiB on the trainer's), or rollout.max_staleness=0 (lockstep: "
+                       "no worker; the colocated engine sleeps during the update)")
         if self.strategy == "fsdp2":
             need = self._devices_needed()
             if need:
@@ -405,8 +445,9 @@ class MemoryPlan:
             gathered = "nothing gathered"
         ckpt = "checkpointed" if self.gradient_checkpointing else "no checkpointing"
         offloaded = ", in host memory during sync and rollout" if self.offload_optimizer else ""
+        weights = f"weights (LoRA's frozen base, {self.frozen_dtype}" if self.frozen_dtype else f"weights ({self.param_dtype}"
         rows = [
-            (f"weights ({self.param_dtype}, {shard})", self.weights),
+            (f"{weights}, {shard})", self.weights),
             (f"gradients ({self.param_dtype}, "
              f"{'unsharded until the last micro-batch (optim.defer_grad_reduction)' if self.deferred_reduction else shard})",
              self.gradients),
@@ -418,17 +459,20 @@ class MemoryPlan:
             ("scoring pass (no gradient)", self.scoring),
         ]
         if self.reference:
-            rows.append(("reference policy (KL penalty, frozen, sharded like the policy)", self.reference))
+            rows.append((f"reference policy (KL penalty, frozen, {self.reference_dtype}, sharded like the policy)", self.reference))
         if self.vllm:
             rows.append((f"vLLM share (its weights: {_gib(self.vllm_weights)} GiB)", self.vllm))
             rows.append(("weight sync in flight (2 x the largest weight)", self.sync_temporary))
             if self.sleep_mode:
                 rows.append(("vLLM asleep (CUDA graphs, buffers): an estimate", self.vllm_asleep))
         rows.append(("CUDA context, NCCL, fragmentation: an estimate", self.margin))
-        width = max(len(r[0]) for r in rows) + 2
-        lines = [f"memory plan per GPU: {self.model} ({a.parameters / 1e9:.2f}B parameters, {a.source}), {how}, "
-                 f"precision {self.precision} "
-                 f"(compute {self.compute_dtype})"]
+        if self.colocated_worker:  # the asynchronous worker shares this GPU: beside every phase
+            rows += self.worker.rows()
+        worker_rows = self.worker.rows() if self.worker is not None and self.worker.own_gpu else []
+        width = max(len(r[0]) for r in rows + worker_rows) + 2
+        which = f"per trainer GPU ({_gpu_list(self.trainer_gpus)})" if self.worker is not None else "per GPU"
+        lines = [f"memory plan {which}: {self.model} ({a.parameters / 1e9:.2f}B parameters, {a.source}), {how}, "
+                 f"precision {self.precision} (compute {self.compute_dtype})"]
         lines += [f"  {label:<{width}}{_gib(value):>8} GiB" for label, value in rows]
         if self.vllm:
             lines.append("  phases (" + ("vLLM sleeps during the update and scoring, wakes its weights for the sync, then its "
@@ -439,11 +483,40 @@ class MemoryPlan:
         margins = self.margins
         lines += [f"    {phase:<{width - 2}}{_gib(value):>8} GiB   margin {_gib(margins[phase]):>7} GiB"
                   for phase, value in self.phases.items()]
-        verdict = "fits" if self.total <= self.gpu_memory else "DOES NOT FIT"
         lines.append(f"  {'total (largest phase)':<{width}}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB "
-                     f"({self.gpu_memory_source}): {verdict}, margin {_gib(self.gpu_memory - self.total)} GiB")
+                     f"({self.gpu_memory_source}): {_verdict(self.total, self.gpu_memory)}, margin "
+                     f"{_gib(self.gpu_memory - self.total)} GiB")
+        if worker_rows:
+            lines.append(f"memory plan per rollout worker GPU ({_gpu_list(self.worker_gpus)}, rollout.devices): its engine "
+                         "never sleeps, so every phase holds all of it")
+            lines += [f"  {label:<{width}}{_gib(value):>8} GiB" for label, value in worker_rows]
+            lines.append(f"  {'total':<{width}}{_gib(self.worker.total):>8} GiB of {_gib(self.gpu_memory)} GiB: "
+                         f"{_verdict(self.worker.total, self.gpu_memory)}, margin {_gib(self.gpu_memory - self.worker.total)} GiB")
+        lines += self._per_gpu_lines()
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _per_gpu_lines(self) -> list[str]:
+        """One line per GPU of a node with an asynchronous worker: which process lives there, and its total."""
+        if self.worker is None:
+            return []
+        trainer = "trainer local rank {r}" + ("" if self.worker.own_gpu else " + its rollout worker")
+        out = ["per GPU (each node):"]
+        for r, gpu in enumerate(self.trainer_gpus):
+            out.append(f"  GPU {gpu}: {trainer.format(r=r):<42}{_gib(self.total):>8} GiB of {_gib(self.gpu_memory)} GiB: "
+                       f"{_verdict(self.total, self.gpu_memory)}")
+        for r, gpu in enumerate(self.worker_gpus):
+            out.append(f"  GPU {gpu}: {f'rollout worker of local rank {r}':<42}{_gib(self.worker.total):>8} GiB of "
+                       f"{_gib(self.gpu_memory)} GiB: {_verdict(self.worker.total, self.gpu_memory)}")
+        return out
+
+
+def _verdict(need: int, have: int) -> str:
+    return "fits" if need <= have else "DOES NOT FIT"
+
+
+def _gpu_list(gpus: tuple[int, ...]) -> str:
+    return "GPU " + ", ".join(str(g) for g in gpus) if len(gpus) < 2 else "GPUs " + ", ".join(str(g) for g in gpus)
 
 
 def _gib(n: int | float) -> str:
@@ -458,8 +531,43 @@ def _algorithm_keeps_logits(cfg: DictConfig) -> bool:
     return target.endswith(".GRPOOPSD") or name == "grpo_opsd"
 
 
-def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryPlan:
-    """The per-GPU memory plan of the composed config ``cfg`` (reads it only: nothing is loaded)."""
+HALF_TRUE = ("bf16-true", "16-true")
+
+
+def reference_dtype(precision: str, param_dtype: str, loaded: str) -> str:
+    """The KL reference's dtype: a ``*-true`` half precision converts it with the policy; otherwise it keeps the dtype
+    the weights load in (FSDP2 never upcasts it, nor, on a GPU, the unsharded module: :func:`agentopsd.training.
+    precision.weight_plan`'s ``frozen_as_loaded``)."""
+    return param_dtype if precision in HALF_TRUE else loaded
+
+
+def lora_base_dtype(precision: str, param_dtype: str, loaded: str, *, strategy: str, on_cpu: bool) -> str:
+    """A LoRA policy's frozen base's dtype: the loaded one where only the adapters become float32 master weights (a GPU
+    outside FSDP2; FSDP2 under ``bf16-mixed``), the master dtype where the whole policy is upcast (FSDP2 under another
+    precision). On a CPU the module keeps it bf16 only where ``model.dtype=auto`` finds native bf16, which this plan
+    does not probe: it counts the master dtype there, an upper bound."""
+    if precision in HALF_TRUE:
+        return param_dtype
+    if strategy == "fsdp2":
+        return loaded if precision == "bf16-mixed" else param_dtype
+    return param_dtype if on_cpu else loaded
+
+
+def _local_gpus(trainer: DictConfig | dict) -> tuple[int, ...]:
+    """The trainer ranks' GPU indices on one node: ``trainer.devices`` as a list, or the first N."""
+    devices = trainer.get("devices", 1)
+    if OmegaConf.is_list(devices) or isinstance(devices, list | tuple):
+        return tuple(int(d) for d in devices)
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    count = devices if isinstance(devices, int) and devices > 0 else _cuda_device_count()
+    return tuple(range(max(1, count)))
+
+
+def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None,
+                staging_bucket_bytes: int = STAGING_BUCKET_BYTES) -> MemoryPlan:
+    """The per-GPU memory plan of the composed config ``cfg`` (reads it only: nothing is loaded).
+    ``staging_bucket_bytes``: the cap of an asynchronous worker's weight-staging bucket (two in flight)."""
     from agentopsd.rollout.scoring import SCORING_HEAD_POSITIONS, SCORING_ROWS_TOKENS
 
     model_cfg, trainer = cfg.model, cfg.trainer
@@ -490,11 +598,15 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     rollout = cfg.rollout
     vllm_cfg = rollout.get("vllm") or {}
     uses_vllm = rollout.get("backend", "hf") == "vllm"
-    lora_note = "model.lora is set: gradients and AdamW states are counted for every weight (an upper bound)" \
-        if model_cfg.get("lora") else ""
+    lora = bool(model_cfg.get("lora"))
+    lora_note = ("model.lora is set: the weights line counts the frozen base; gradients and AdamW states are counted "
+                 "for every weight (an upper bound, which covers the adapters)") if lora else ""
     chunk_note = (f"optim.logits_chunk_tokens={chunk_setting} does not apply: the algorithm keeps the full logits"
                   if chunk_setting > 0 and keeps_logits else "")
-    notes = tuple(n for n in (world_note, lora_note, chunk_note) if n)
+    async_note = ("rollout.max_staleness >= 1: the trainer's own engine serves its evaluation only (its sync and rollout "
+                  "phases are the evaluation's)" + ("; the workers' GPUs are taken to be the trainer's size"
+                                                    if rollout_devices(cfg) else "") if staleness(cfg) >= 1 else "")
+    notes = tuple(n for n in (world_note, lora_note, chunk_note, async_note) if n)
     common = dict(model=str(model_cfg.get("path") or "tiny"), architecture=arch, unknown_reason=unknown, strategy=strategy,
                   world_size=world, precision=precision, param_dtype=param_dtype, compute_dtype=compute_dtype,
                   micro_batch_size=micro, sequence_tokens=seq, head_positions=head_positions,
@@ -539,8 +651,8 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
                + (chunk or score_positions) * vocab * logit_nograd_bytes(cb))
     kl = float(OmegaConf.select(cfg, "algorithm.kl_coef", default=0.0) or 0.0)
     model_dtype_loaded = arch.checkpoint_dtype if model_dtype == "auto" else model_dtype
-    ref_bytes = DTYPE_BYTES.get(param_dtype if precision in ("bf16-true", "16-true") else model_dtype_loaded, 4)
-    reference = -(-params * ref_bytes // shards) if kl > 0 else 0
+    ref_dtype = reference_dtype(precision, param_dtype, model_dtype_loaded)
+    reference = -(-params * DTYPE_BYTES.get(ref_dtype, 4) // shards) if kl > 0 else 0
     vllm_dtype = str(vllm_cfg.get("dtype", "auto"))
     vllm_dtype = arch.checkpoint_dtype if vllm_dtype == "auto" else vllm_dtype
     vllm = int(float(vllm_cfg.get("gpu_memory_utilization", 0.5)) * gpu_bytes) if uses_vllm else 0
@@ -552,9 +664,17 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
     # AdamW's step: foreach on a GPU holds sqrt(exp_avg_sq) of every weight at once; the per-tensor loop torch
     # takes on CPU holds that and its bias-corrected copy of the largest weight only
     step_temporary = 2 * largest * pb if on_cpu else -(-params * pb // shards)
+    base_dtype = lora_base_dtype(precision, param_dtype, model_dtype_loaded, strategy=strategy, on_cpu=on_cpu) if lora else ""
+    # a LoRA policy's weights are its frozen base (the float32 adapters are a sliver, inside the gradients' upper bound)
+    weight_bytes = DTYPE_BYTES.get(base_dtype, 4) if lora else pb
+    worker, worker_gpus = None, tuple(rollout_devices(cfg))
+    if staleness(cfg) >= 1:
+        where = "its own GPU" if worker_gpus else "the trainer's GPU"
+        worker = plan_worker(cfg, arch, gpu_bytes, world=world, sequence=seq, device=where, own_gpu=bool(worker_gpus),
+                             margin=RUNTIME_MARGIN_BYTES, bucket_bytes=staging_bucket_bytes)
     return MemoryPlan(
         **common,
-        weights=-(-params * pb // shards),
+        weights=-(-params * weight_bytes // shards),
         # optim.defer_grad_reduction: every layer's gradient stays unsharded until the mini-batch's last backward
         gradients=-(-params * pb // (1 if defer else shards)),
         optimizer=-(-params * ADAM_STATES * pb // shards),
@@ -571,7 +691,49 @@ def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None) -> MemoryP
         step_temporary=step_temporary,
         scoring=scoring,
         vllm_asleep=VLLM_ASLEEP_BYTES if uses_vllm else 0,
+        reference_dtype=ref_dtype,
+        frozen_dtype=base_dtype,
+        worker=worker,
+        trainer_gpus=_local_gpus(trainer),
+        worker_gpus=worker_gpus,
     )
+
+
+def colocated_async_engine_problem(cfg: DictConfig, gpu_memory_gib: float | None = None) -> str:
+    """Why a vLLM engine in an asynchronous worker beside its trainer rank (``rollout.max_staleness`` >= 1, no
+    ``rollout.devices``, the trainer on a GPU) cannot run, in one line naming the fix; ``""`` when it can.
+
+    The rule: that engine never sleeps (it generates while the trainer updates), so it holds its whole share beside
+    every phase of the trainer, with the worker's policy copy and staging, and beside the trainer's own evaluation
+    engine, whose sleep frees only its own share. With the model's sizes known the plan's arithmetic decides: refused
+    when the trainer's GPU cannot hold its largest phase with the worker beside it. With them unknown only the config's
+    fractions can: the two engines, ``gpu_memory_utilization`` of the GPU each, both awake while the trainer evaluates,
+    cannot share one GPU at 2 x that >= 1. A CPU run is left alone (no GPU memory to plan, no sleep mode there).
+    """
+    rollout = cfg.rollout
+    if rollout.get("backend") != "vllm" or staleness(cfg) < 1 or rollout_devices(cfg) or not _targets_gpu(cfg):
+        return ""
+    fix = ("set rollout.devices=[...] (a GPU of its own for each rank's worker), or rollout.max_staleness=0 (lockstep: "
+           "the colocated engine sleeps during the update)")
+    head = (f"rollout=vllm with rollout.max_staleness={staleness(cfg)} and no rollout.devices puts each rank's rollout "
+            "worker and its never-sleeping engine on the trainer's GPU")
+    plan = plan_memory(cfg, gpu_memory_gib)
+    if plan.architecture is None:
+        share = float((rollout.get("vllm") or {}).get("gpu_memory_utilization", 0.5))
+        if 2 * share >= 1:
+            return (f"{head}, beside the trainer's own evaluation engine: two shares of rollout.vllm.gpu_memory_utilization="
+                    f"{share:g} cannot share one GPU; {fix}")
+        return ""
+    if plan.total > plan.gpu_memory:
+        return (f"{head} ({_gib(plan.colocated_worker)} GiB): the trainer's GPU would need {_gib(plan.total)} GiB in its "
+                f"largest phase ({max(plan.phases, key=plan.phases.get)}), it has {_gib(plan.gpu_memory)} GiB; {fix}")
+    return ""
+
+
+def _targets_gpu(cfg: DictConfig) -> bool:
+    """The run trains on GPUs: ``trainer.accelerator`` gpu/cuda, or auto where CUDA is visible."""
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_available())
 
 
 def measure_cpu_peak(fn: Callable[[], T]) -> tuple[T, int]:
@@ -611,9 +773,7 @@ def print_memory_plan(cfg: DictConfig, *, force: bool = False, gpu_memory_gib: f
 
     Runs on CPU get no plan: GPU memory means nothing to them. Returns the plan, or None when skipped.
     """
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and _cuda_available())
-    if not (force or on_gpu):
+    if not (force or _targets_gpu(cfg)):
         return None
     plan = plan_memory(cfg, gpu_memory_gib)
     if _is_rank_zero():
@@ -654,8 +814,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="plan for this much GPU memory per device")
     parser.add_argument("--config-dir", default=None, help="the Hydra config folder (default: the repository's conf/)")
+    parser.add_argument("--staging-bucket-mib", type=float, default=STAGING_BUCKET_BYTES / 2**20,
+                        help="rollout.max_staleness >= 1: the cap of one of the worker's two weight-staging buckets")
     args, overrides = parser.parse_known_args(argv)
-    plan = plan_memory(compose_config(overrides, args.config_dir), args.gpu_memory_gib)
+    plan = plan_memory(compose_config(overrides, args.config_dir), args.gpu_memory_gib,
+                       staging_bucket_bytes=int(args.staging_bucket_mib * 2**20))
     print(plan.report())
     for warning in plan.warnings:
         print(f"WARNING: {warning}")

@@ -82,7 +82,7 @@ class AgentRLModule(L.LightningModule):
             model_path=model_path,
             # a warm start changed the weights: a vLLM engine loading model.path must be synced before it generates
             weights_as_loaded=not cfg.get("warm_start"),
-            weight_plan=plan_for_config(cfg),  # model.dtype: bf16 storage where the CPU has it (agentopsd.training.precision)
+            weight_plan=plan_for_config(cfg),  # model.dtype: bf16 storage where the CPU has it, frozen weights as loaded on a GPU
         )
 
     def __init__(
@@ -152,8 +152,9 @@ class AgentRLModule(L.LightningModule):
             return
         fsdp = not self._sharded and isinstance(self.trainer.strategy, ModelParallelStrategy)
         mesh = self.device_mesh["data_parallel"] if fsdp else None
+        plan = self.weight_plan
         self._sharded = prepare_policy(self.model, self.ref_model, str(self.trainer.precision), mesh, sharded=self._sharded,
-                                       frozen_half=self.weight_plan.frozen_half)
+                                       frozen_half=plan.frozen_half or plan.frozen_as_loaded)
 
     # ------------------------------------------------------------------ rollout
 
@@ -210,7 +211,7 @@ class AgentRLModule(L.LightningModule):
                     tis_cap=self.tis_cap, teacher_model=factory.generation_copy(self.rollouts.built_collector))
                 if self.ref_model is not None:
                     if not self._sharded:  # under FSDP2 fully_shard placed it already
-                        place_reference(self.ref_model, self.model)
+                        place_reference(self.ref_model, self.model, keep_half=self.weight_plan.frozen_as_loaded)
                     rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model)
                     scored += float(rb.attention_mask.sum())
             t_teacher = time.perf_counter() - t0

@@ -22,7 +22,8 @@ What a bf16 choice means on a CPU under ``trainer.precision=32-true`` (:func:`we
 Either way the rollout's log-probs are not the update forward's numerics, so the module recomputes the old
 log-probs in the update's precision (and weighs tokens by truncated importance weights where ``optim.tis_cap``
 is set), as a GPU run does for its engine. GPUs and the mixed precisions keep ``model.dtype`` as a loading dtype
-(``trainer.precision`` sets the compute there).
+(``trainer.precision`` sets the compute there); on a GPU without FSDP2 the frozen weights (a LoRA base, the KL
+reference) also stay in it (:attr:`WeightPlan.frozen_as_loaded`), consistent with the CPU's bf16 LoRA base above.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class WeightPlan:
     """The frozen weights (a LoRA base) stay bf16: no float32 upcast of them before training."""
     generation_dtype: torch.dtype | None = None
     """A separate copy in this dtype generates and scores the teacher view (full fine-tuning); None: the policy."""
+    frozen_as_loaded: bool = False
+    """On a GPU outside FSDP2: the frozen weights keep the half dtype they load in (``model.dtype``: bf16 in the GPU
+    configs), as the memory plan counts them: a LoRA base (only its adapters, and their AdamW states, become float32)
+    and the KL reference (not upcast to the policy's float32 master weights; it scores in bf16, under the update's
+    autocast or, under ``32-true``, in its own dtype).
+    Nothing else changes: the policy itself generates, so the rollout is not :attr:`half_rollout`."""
 
     @property
     def half_rollout(self) -> bool:
@@ -139,8 +146,12 @@ def loading_dtype(choice: PrecisionChoice, requested: str, *, lora: bool) -> str
 
 def weight_plan(choice: PrecisionChoice, *, device: str, trainer_precision: str, lora: bool, sharded: bool) -> WeightPlan:
     """How a run holds its weights (see the module docstring): bf16 storage only for a bf16 choice on a CPU under
-    a float32 ``trainer.precision`` without FSDP; everything else keeps today's plan (a mixed precision autocasts
-    float32 master weights; FSDP2 shards one float32 policy)."""
+    a float32 ``trainer.precision`` without FSDP; on a GPU without FSDP the frozen weights stay as loaded
+    (:attr:`WeightPlan.frozen_as_loaded`: float32 copies of weights no optimizer updates would only double their
+    memory); everything else keeps one float32 policy (a mixed precision autocasts float32 master weights; FSDP2
+    shards the policy and never upcasts the reference or, under bf16-mixed, a LoRA base)."""
+    if device != "cpu" and not sharded:
+        return WeightPlan(frozen_as_loaded=True)
     if choice.dtype != "bfloat16" or device != "cpu" or str(trainer_precision) not in FLOAT32_PRECISIONS or sharded:
         return FLOAT32_PLAN
     return WeightPlan(frozen_half=lora, generation_dtype=torch.bfloat16)

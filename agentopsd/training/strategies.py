@@ -168,7 +168,8 @@ def prepare_policy(model: nn.Module, ref_model: nn.Module | None, precision: str
     (``trainer=fsdp``) and a model not ``sharded`` yet, FSDP2: shard each decoder layer, then the root,
     of the policy and of the KL reference. Returns whether the policy is sharded now (its forwards
     are collectives from then on). ``frozen_half`` (unsharded; :class:`agentopsd.training.precision.WeightPlan`): only the
-    trainable weights become float32, a LoRA base loaded in bf16 stays bf16 (the CPU computes it natively)."""
+    trainable weights become float32, a LoRA base loaded in bf16 stays bf16 (a CPU computes it natively; a GPU
+    computes it under autocast, and needs no float32 copy of weights nothing updates)."""
     # Weights may load in bf16 (half the host memory), but under a mixed or float32 precision the
     # optimizer must update float32 weights. Sharded, each rank converts only its own shard.
     upcast = needs_float32_master(precision)
@@ -223,10 +224,14 @@ def frozen_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model).requires_grad_(False).eval()
 
 
-def place_reference(ref: nn.Module | None, model: nn.Module) -> None:
+def place_reference(ref: nn.Module | None, model: nn.Module, *, keep_half: bool = False) -> None:
     """The frozen reference on the policy's device and dtype (it is not a registered submodule of the module, so
-    Lightning does not move it)."""
+    Lightning does not move it). ``keep_half`` (:attr:`agentopsd.training.precision.WeightPlan.frozen_as_loaded`): a
+    half-precision reference is not upcast to float32 master weights, only moved."""
     p = next(model.parameters(), None)
     q = next(ref.parameters(), None) if ref is not None else None
-    if p is not None and q is not None and (q.device != p.device or q.dtype != p.dtype):
-        ref.to(device=p.device, dtype=p.dtype)
+    if p is None or q is None:
+        return
+    dtype = q.dtype if keep_half and q.dtype in HALF and p.dtype == torch.float32 else p.dtype
+    if q.device != p.device or q.dtype != dtype:
+        ref.to(device=p.device, dtype=dtype)

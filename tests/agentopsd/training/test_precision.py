@@ -91,9 +91,10 @@ def test_bf16_storage_only_on_a_cpu_under_a_float32_trainer_precision_without_fs
     assert weight_plan(bf16, **cpu, lora=True) == WeightPlan(frozen_half=True, generation_dtype=torch.bfloat16)
     assert weight_plan(bf16, **cpu, lora=False) == WeightPlan(generation_dtype=torch.bfloat16)
     assert weight_plan(bf16, **cpu, lora=True).half_rollout and not FLOAT32_PLAN.half_rollout
-    # today's plan: a float32 choice, a GPU, a mixed precision (autocast over float32 master weights), FSDP2
+    # one float32 policy: a float32 choice, a mixed precision (autocast over float32 master weights), FSDP2; a GPU keeps
+    # its frozen weights as loaded (tests/agentopsd/training/test_frozen_dtype.py)
     assert weight_plan(PrecisionChoice("float32", ""), **cpu, lora=True) == FLOAT32_PLAN
-    assert weight_plan(bf16, **{**cpu, "device": "cuda"}, lora=True) == FLOAT32_PLAN
+    assert weight_plan(bf16, **{**cpu, "device": "cuda"}, lora=True) == WeightPlan(frozen_as_loaded=True)
     assert weight_plan(bf16, **{**cpu, "trainer_precision": "bf16-mixed"}, lora=True) == FLOAT32_PLAN
     assert weight_plan(bf16, **{**cpu, "sharded": True}, lora=False) == FLOAT32_PLAN
 
