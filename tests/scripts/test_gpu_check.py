@@ -261,3 +261,63 @@ def test_the_cpu_rehearsal_passes_and_its_controls_fail_as_planted(tmp_path: Pat
                     "control.stale-engine.train", "control.skip-cache-release.train"):
         assert f"PASS  {control}:" in out, out[-6000:]
     assert proc.returncode == 0 and "gpu_check: PASSED" in out, out[-6000:] + proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------- the carried wheels
+
+
+@pytest.fixture(scope="module")
+def carried():
+    yield _load("carried_wheels")
+    sys.modules.pop("carried_wheels", None)
+
+
+def test_only_the_wheels_the_machine_lacks_are_installed(carried) -> None:
+    wheels = ["d/protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl", "d/tensorboardX-2.6.5-py3-none-any.whl",
+              "d/hydra_core-1.3.8-py3-none-any.whl", "d/antlr4_python3_runtime-4.9.3-py3-none-any.whl"]
+    assert [carried.distribution_name(w) for w in wheels] == ["protobuf", "tensorboardx", "hydra-core",
+                                                              "antlr4-python3-runtime"]
+    machine = {"protobuf", "tensorboardx"}
+    assert carried.wheels_to_install(wheels, machine.__contains__) == wheels[2:]
+    assert carried.wheels_to_install(wheels, lambda name: False) == wheels
+    assert carried.is_installed("pytest") and not carried.is_installed("no-such-distribution-here")
+
+
+def _wheel(folder: Path, distribution: str, module: str, text: str) -> Path:
+    """A minimal pure-Python wheel of ``distribution`` 99.0 holding ``module`` (a dotted name: a package)."""
+    import zipfile
+
+    info = f"{distribution.replace('-', '_')}-99.0.dist-info"
+    files = {f"{module.replace('.', '/')}/__init__.py": text,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 99.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    path = folder / f"{distribution.replace('-', '_')}-99.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    return path
+
+
+def test_the_machines_own_protobuf_wins_over_the_carried_one(tmp_path: Path) -> None:
+    """gpu_check.sh --wheels on a machine that has protobuf (this Python) and lacks a carried package: the run sees
+    the machine's protobuf and the carried package."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "protobuf", "google.protobuf", "CARRIED = True\n")
+    _wheel(wheels, "gpu-check-carried-probe", "gpu_check_carried_probe", "CARRIED = True\n")
+    # stands in for the machine's python: the check itself prints where both imports come from
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [[ "$1" == scripts/gpu_check.py ]]; then
+  exec {sys.executable} -c 'import google.protobuf as p, gpu_check_carried_probe as c; print(getattr(p, "CARRIED", False), c.CARRIED)'
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    for _ in range(2):  # the second run finds the folder installed
+        proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--wheels", str(wheels), "--dry-run"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env=dict(_env(), PYTHON=str(fake)))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["False", "True"], proc.stdout  # the machine's protobuf, the carried probe
+    assert not (wheels / "site" / "google").exists()
