@@ -344,7 +344,9 @@ def async_overrides(setup: Setup, model_path: Path, output_dir: Path, sizes: Siz
     worker shares the trainer's device and gets them through shared memory.
 
     DDP, not the experiment's FSDP2 (asynchronous training under FSDP is refused at present), at the experiment's
-    bf16-mixed. Gradient checkpointing off: its input hook cannot cross the spawn of the worker's policy copy."""
+    bf16-mixed. Gradient checkpointing off: where the worker's policy copy crosses the spawn pickled, the input hook
+    that checkpointing installs cannot be pickled (a worker that builds its own policy from ``model.path`` needs no
+    such override)."""
     out = [
         f"+experiment={setup.experiment}",
         "trainer=ddp",
