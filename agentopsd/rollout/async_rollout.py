@@ -181,32 +181,39 @@ class SharedWeights:
 
     def publish(self, model: nn.Module, version: int, alive: Callable[[], bool] = lambda: True) -> bool:
         """Send ``model``'s weights as ``version``, bucket by bucket; False when the worker died meanwhile (its owner
-        reports that); raises :class:`WeightTransferError` when the worker takes over ``timeout`` for one bucket."""
+        reports that); raises :class:`WeightTransferError` when the worker takes over ``timeout`` to get ready or to
+        take a bucket. The wait for the worker's turn comes before the first gather: under FSDP2 the other ranks then
+        wait in a gather for the transfer only."""
         layout = self.full if self.count == 0 else self.trainable
         if not self.broken:
             self.version.value = int(version)
             self.announced.value = self.count + 1
+            self._taken(version, alive)  # the worker is between turns and takes this publish now
 
         def hand_over(bucket: torch.Tensor) -> bool:
             if self.broken:
                 return False
             self.bucket[:bucket.numel()].copy_(bucket)
             self.filled.release()
-            deadline = time.monotonic() + self.timeout
-            while not self.emptied.acquire(timeout=POLL_SECONDS / 10):
-                if not alive():
-                    self.broken = True
-                    return False
-                if time.monotonic() > deadline:
-                    self.broken = True
-                    raise WeightTransferError(f"the rollout worker took over {self.timeout:.0f}s to receive weight "
-                                              f"version {version}")
-            return True
+            return self._taken(version, alive)
 
         sent = send_buckets(model, layout, self.max_bytes, "cpu", hand_over)
         if sent:
             self.count += 1
         return sent
+
+    def _taken(self, version: int, alive: Callable[[], bool]) -> bool:
+        """Wait for the worker's signal (ready, or a bucket taken); False (and broken) when it died."""
+        deadline = time.monotonic() + self.timeout
+        while not self.emptied.acquire(timeout=POLL_SECONDS / 10):
+            if not alive():
+                self.broken = True
+                return False
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise WeightTransferError(f"the rollout worker took over {self.timeout:.0f}s to receive weight version "
+                                          f"{version}")
+        return True
 
     def start(self, device: str) -> None:
         """The worker's end: counts the publishes it has taken."""
@@ -225,6 +232,7 @@ class SharedWeights:
                 self.emptied.release()
 
             version = int(self.version.value)  # read before the last bucket is taken: the next publish waits for it
+            self.emptied.release()  # ready: the trainer starts gathering and sending
             receive_buckets(model, layout, self.max_bytes, self.device, take)
             self._received += 1
             have = version

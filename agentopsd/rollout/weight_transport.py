@@ -54,6 +54,8 @@ SENTINEL = -1
 """The version that tells the receiver to end."""
 TRANSPORTS = ("auto", "shared_memory", "collective")
 KEY = "publish/{}"
+READY = "ready/{}"
+"""Set by the worker once it is between turns and receiving publish n."""
 STORE_PREFIX = "agentopsd-weights"
 
 
@@ -372,6 +374,7 @@ class CollectiveReceiver:
                 if version == SENTINEL:
                     self.closed = True
                     break
+                self._store.set(READY.format(self._received), "1")  # between turns: the trainer starts gathering
                 layout = self.full if self._received == 0 else self.trainable
                 receive_buckets(model, layout, self.max_bytes, self.device,
                                 lambda bucket: self._group.broadcast([bucket], _broadcast_options()).wait())
@@ -450,6 +453,13 @@ class CollectiveSender:
                                           f"{str(self._group_error).splitlines()[0]}")
             else:
                 self.store.set(KEY.format(self.count), str(int(version)))
+                # the worker takes it between turns: wait for that before the first gather, so that under FSDP2 the
+                # other ranks wait in a gather for the transfer only
+                ready = READY.format(self.count)
+                if self._wait(lambda: self.store.check([ready]), alive, f"take weight version {version}"):
+                    self.store.delete_key(ready)
+                else:
+                    self.broken = True
         try:
             sent = send_buckets(model, layout, self.max_bytes, self.device,
                                 lambda bucket: not self.broken and self._broadcast(bucket, version, alive))
