@@ -8,8 +8,9 @@ would share the interpreter lock and one OpenMP pool. A spawned process has its 
 The protocol, one producer per rank (each rank plays its own groups, as in lockstep)::
 
     trainer (this process)                        worker (spawned)
-    AsyncRollout(start=i0)   ---- spawn ------->  a private copy of the policy, the generator, the collector
-    publish(model, v)        ---- weights ------>  loaded between turns: episodes in flight carry on with it
+    AsyncRollout(start=i0)   ---- spawn ------->  builds its own policy (config, its device, its dtype)
+                             ---- all weights -->  taken whole; then the generator, the collector
+    publish(model, v)        ---- weights ------>  taken between turns: episodes in flight carry on with them
     next_batch(i)            <--- queue --------  ("batch", i, trajectories, metrics) | ("error", ...) | ("stopped", i)
     close()                  ---- stop event --->  ends between turns; killed when it does not
 
@@ -23,11 +24,14 @@ Partial rollouts carry on with the new weights (tagged per turn) rather than res
 the work already done, and it starves long (often harder) episodes, which an update would restart over and
 over; the decoupled objective corrects each turn from the version that generated it.
 
-The weights travel through shared memory, or (``rollout.weight_transport=collective``, the default under
-``rollout.devices``) a broadcast over a private two-member group: :mod:`agentopsd.rollout.weight_transport`.
+The weights travel in bounded buckets, in the worker's dtype (:func:`worker_dtype`: bf16 on a GPU), through one
+reused shared-memory bucket, or (``rollout.weight_transport=collective``, the default under ``rollout.devices``) a
+broadcast over a private two-member group: :mod:`agentopsd.rollout.weight_transport`. A publish waits for the
+worker's turn in flight. Under FSDP2 each rank gathers whole tensors from its shards, one at a time, for its own
+worker; what the worker generates with never differs between the placements.
 Under ``rollout.devices`` the worker runs on a GPU of its own (local rank r on ``rollout.devices[r]``).
 
-The generator: transformers on the worker's policy copy, or (``rollout.backend=vllm``) a vLLM engine colocated
+The generator: transformers on the worker's own policy, or (``rollout.backend=vllm``) a vLLM engine colocated
 inside the worker (the engine of :class:`agentopsd.rollout.vllm_backend.VLLMGenerator`, loading ``model.path``).
 Each weight version the worker loads reaches the engine before its next generate
 (:func:`agentopsd.rollout.factory.engine_sync`, named by the version, so a version it holds is not sent twice).
@@ -114,7 +118,7 @@ class WorkerSpec:
     """The policy still holds ``model_path``'s weights (no warm start changed them): with ``start == 0`` the engine
     then holds version 0 as loaded; otherwise it is synced before its first generate."""
     device: str = "cpu"
-    """The trainer's device: on ``cuda:N`` the worker generates on that same GPU (its policy copy, or its vLLM
+    """The trainer's device: on ``cuda:N`` the worker generates on that same GPU (its own policy, or its vLLM
     engine), never on another rank's; unless ``rollout_device`` names its own."""
     rollout_device: int | None = None
     """``rollout.devices[local rank]``: the worker's own GPU (an index into the trainer's visible devices); set by

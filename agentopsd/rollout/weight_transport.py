@@ -1,34 +1,41 @@
 """How the trainer's weights reach its rollout worker (``rollout.weight_transport``), and where that worker runs
 (``rollout.devices``).
 
-Two transports behind one small interface (trainer side: ``publish(model, version)``; worker side: ``start(device)``,
-``available()``, ``load_into(model, have) -> version``, and ``model``, the full weights that cross the spawn):
+The worker builds its own policy (:class:`PolicyBlueprint`: the trainer's config, on the worker's device, in the
+worker's dtype: bf16 on a GPU) and the trainer's first publish fills every parameter of it; later publishes send the
+trainable ones (under LoRA the adapters). No copy of the trainer's model is ever made. Every publish streams byte
+buckets of at most a fixed size (:func:`plan_buckets`; a tensor larger than one spans several), in the worker's
+dtype, and the worker copies each one straight into its policy: each end holds one bucket and, on the trainer's, one
+whole tensor (under FSDP2 gathered from the shards, :func:`whole`, one at a time as the colocated vLLM sync gathers).
 
-- ``shared_memory`` (:class:`agentopsd.rollout.async_rollout.SharedWeights`): a CPU copy in shared memory and a
-  version counter. The default with the worker beside the trainer (on its CPU or on its own GPU).
-- ``collective`` (:class:`CollectiveSender` / :class:`CollectiveReceiver`): a broadcast over a private process
-  group of two members, the trainer (0) and its worker (1), built from its own ``TCPStore`` on a free port, never
-  the training's default group. NCCL when both ends are on CUDA (the worker on a GPU of its own,
+Two transports behind one small interface (trainer side: ``publish(model, version, alive) -> bool``; worker side:
+``start(device)`` and ``load_into(model, have) -> version``, between turns):
+
+- ``shared_memory`` (:class:`agentopsd.rollout.async_rollout.SharedWeights`): one bucket of
+  :data:`SHARED_BUCKET_BYTES` in shared memory, reused, and a handshake. The default with the worker beside the
+  trainer (on its CPU or on its own GPU).
+- ``collective`` (:class:`CollectiveSender` / :class:`CollectiveReceiver`): a broadcast per bucket over a private
+  process group of two members, the trainer (0) and its worker (1), built from its own ``TCPStore`` on a free port,
+  never the training's default group. NCCL when both ends are on CUDA (the worker on a GPU of its own,
   ``rollout.devices``), gloo on CPU. The default under ``rollout.devices``.
 
 The collective protocol (control plane through the store, data plane through the group, as the peers push weights
 to their inference engines: a request names the version, then the tensors are broadcast)::
 
-    trainer: store["publish/n"] = version  ->  broadcast(bucket) per dtype  ->  returns once the buckets are sent
-    worker receiver thread: waits for "publish/n", joins the broadcasts into its incoming buffers, then, under a
-                            lock, swaps them with the staged ones and marks the staged version
-    worker main thread, between turns: load_into copies the staged buffers into the policy (under the same lock)
-    close: store["publish/n"] = -1 (the sentinel): the receiver ends
+    trainer: store["publish/n"] = version  ->  waits for store["ready/n"]  ->  gather, broadcast(bucket) per bucket
+    worker, between turns (load_into): sees "publish/n", sets "ready/n", receives each bucket into its policy
+    close: store["publish/n"] = -1 (the sentinel)
 
 Why the version goes through the store and not a header broadcast: between two publishes lie an update and maybe an
 evaluation, of unbounded length, and a collective that waits that long would pass its timeout and break the group.
-A receiver that polls the store waits without a timeout; once a version is announced, the trainer is already in the
-broadcast, so the broadcast itself is bounded (:data:`TRANSFER_SECONDS`).
+A worker that polls the store waits without a timeout; once it is ready, the broadcasts are bounded
+(:data:`TRANSFER_SECONDS`).
 
-The trainer never waits for the worker's turn: the receiver thread is always ready for the next broadcast (it
-holds the lock only for a swap of two lists). A dead peer ends the other side in bounded time: the trainer polls
-its broadcast with the worker's liveness and a deadline; the receiver's store calls fail once the trainer's store
-is gone, and the worker's loop checks that its parent lives.
+A publish waits for the worker's turn in flight to end (the worker takes weights only between turns, into the policy
+it generates with), as the peers pause generation for a sync; it waits before its first gather, so that under FSDP2
+the other ranks wait in a gather only for the transfer itself. A dead peer ends the other side in bounded time: the
+trainer polls with the worker's liveness and a deadline; the worker's store calls fail once the trainer's store is
+gone, and the worker's loop checks that its parent lives.
 """
 
 from __future__ import annotations

@@ -136,6 +136,15 @@ def test_the_worker_generates_in_the_runs_generation_dtype(tiny_walk_policy, mon
         with pytest.raises(Captured):
             fit(module, 2)
         assert started[-1] == want
+    # a sharded (FSDP2) policy starts its worker too: each rank gathers whole tensors from its shards
+    from agentopsd.rollout.source import Placement
+    from agentopsd.training.data import TaskStream
+
+    module = make_module(tiny_walk_policy, 2, 1)
+    with pytest.raises(Captured):
+        module.rollouts.collect((), 0, Placement(module.model, 0, torch.device("cpu"), sharded=True,
+                                                 loader=TaskStream(TOY_ID, 4, 2, 3, 2, 0)))
+    assert started[-1] == torch.float32
 
 
 @pytest.mark.parametrize("k", [1, 2])
