@@ -8,8 +8,9 @@ would share the interpreter lock and one OpenMP pool. A spawned process has its 
 The protocol, one producer per rank (each rank plays its own groups, as in lockstep)::
 
     trainer (this process)                        worker (spawned)
-    AsyncRollout(start=i0)   ---- spawn ------->  a private copy of the policy, the generator, the collector
-    publish(model, v)        ---- weights ------>  loaded between turns: episodes in flight carry on with it
+    AsyncRollout(start=i0)   ---- spawn ------->  builds its own policy (config, its device, its dtype)
+                             ---- all weights -->  taken whole; then the generator, the collector
+    publish(model, v)        ---- weights ------>  taken between turns: episodes in flight carry on with them
     next_batch(i)            <--- queue --------  ("batch", i, trajectories, metrics) | ("error", ...) | ("stopped", i)
     close()                  ---- stop event --->  ends between turns; killed when it does not
 
@@ -23,11 +24,14 @@ Partial rollouts carry on with the new weights (tagged per turn) rather than res
 the work already done, and it starves long (often harder) episodes, which an update would restart over and
 over; the decoupled objective corrects each turn from the version that generated it.
 
-The weights travel through shared memory, or (``rollout.weight_transport=collective``, the default under
-``rollout.devices``) a broadcast over a private two-member group: :mod:`agentopsd.rollout.weight_transport`.
+The weights travel in bounded buckets, in the worker's dtype (:func:`worker_dtype`: bf16 on a GPU), through one
+reused shared-memory bucket, or (``rollout.weight_transport=collective``, the default under ``rollout.devices``) a
+broadcast over a private two-member group: :mod:`agentopsd.rollout.weight_transport`. A publish waits for the
+worker's turn in flight. Under FSDP2 each rank gathers whole tensors from its shards, one at a time, for its own
+worker; what the worker generates with never differs between the placements.
 Under ``rollout.devices`` the worker runs on a GPU of its own (local rank r on ``rollout.devices[r]``).
 
-The generator: transformers on the worker's policy copy, or (``rollout.backend=vllm``) a vLLM engine colocated
+The generator: transformers on the worker's own policy, or (``rollout.backend=vllm``) a vLLM engine colocated
 inside the worker (the engine of :class:`agentopsd.rollout.vllm_backend.VLLMGenerator`, loading ``model.path``).
 Each weight version the worker loads reaches the engine before its next generate
 (:func:`agentopsd.rollout.factory.engine_sync`, named by the version, so a version it holds is not sent twice).
@@ -45,7 +49,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copy
 import logging
 import os
 import queue
@@ -59,12 +62,17 @@ import torch
 from torch import nn
 
 from agentopsd.rollout.weight_transport import (
+    SHARED_BUCKET_BYTES,
+    TRANSFER_SECONDS,
     CollectiveSender,
     WeightTransferError,
+    bucket_capacity,
     check_devices_at_start,
-    published_params,
+    policy_blueprint,
+    receive_buckets,
     resolve_transport,
-    shared_copy,
+    send_buckets,
+    wire_layout,
 )
 from agentopsd.types import TaskSpec, Trajectory
 
@@ -110,11 +118,16 @@ class WorkerSpec:
     """The policy still holds ``model_path``'s weights (no warm start changed them): with ``start == 0`` the engine
     then holds version 0 as loaded; otherwise it is synced before its first generate."""
     device: str = "cpu"
-    """The trainer's device: on ``cuda:N`` the worker generates on that same GPU (its policy copy, or its vLLM
+    """The trainer's device: on ``cuda:N`` the worker generates on that same GPU (its own policy, or its vLLM
     engine), never on another rank's; unless ``rollout_device`` names its own."""
     rollout_device: int | None = None
     """``rollout.devices[local rank]``: the worker's own GPU (an index into the trainer's visible devices); set by
     :class:`AsyncRollout` at start. None: beside the trainer."""
+    dtype: torch.dtype = torch.float32
+    """The worker's policy dtype, which the weights also travel in (:func:`worker_dtype`)."""
+    policy: Callable[[str, torch.dtype], nn.Module] | None = None
+    """Builds the worker's policy on its device in ``dtype`` (picklable); the first publish fills it. None: the
+    trainer's policy's :class:`agentopsd.rollout.weight_transport.PolicyBlueprint`, set by :class:`AsyncRollout`."""
     worker_init: Callable[[], object] | None = None
     """Called first in the worker (picklable: a module-level function). A test seam: e.g. the fake ``vllm``
     (:func:`tests.fakes.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
@@ -129,6 +142,16 @@ def rank_tasks(tasks: Sequence[TaskSpec], rank: int, world: int) -> tuple[TaskSp
     return tuple(tasks[i] for i in shard_groups([t.group_id for t in tasks], rank, world))
 
 
+def worker_dtype(device: str, generation_dtype: torch.dtype | None, policy_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the worker generates and scores in: bf16 on a GPU (the trainer recomputes the old log-probs in the
+    update's numerics, as for any engine); on a CPU what the lockstep path generates in (``model.dtype``'s choice,
+    :func:`agentopsd.training.precision.weight_plan`: a bf16 copy where the CPU computes bf16 natively), else the
+    policy's own dtype."""
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return generation_dtype or policy_dtype
+
+
 def admitted(iteration: int, version: int, max_staleness: int) -> bool:
     """May iteration ``iteration``'s episodes start on weights of version ``version``? Once ``version >=
     iteration - max_staleness``: then no turn of it can be more than ``max_staleness`` versions old when its
@@ -137,45 +160,87 @@ def admitted(iteration: int, version: int, max_staleness: int) -> bool:
 
 
 class SharedWeights:
-    """The policy's weights in shared memory plus a version counter: the trainer writes, the worker reads.
+    """The shared-memory transport: one bucket of :data:`SHARED_BUCKET_BYTES` in shared memory, reused, and a
+    handshake; the trainer writes each bucket, the worker copies it straight into its policy between turns.
 
-    A copy of the whole policy lives in shared memory (it crosses the spawn as the worker's starting point);
-    afterwards only the trainable parameters change, and only those are copied on each publish. A lock keeps
-    a reader from seeing half of one version and half of the next.
+    A publish announces its version, then hands the buckets over one at a time (``filled`` / ``emptied``): nothing
+    model-sized is ever in shared memory, and a publish returns once the worker has taken the last bucket (it waits
+    for the turn in flight). The first publish sends every parameter, later ones the trainable ones.
     """
 
-    def __init__(self, model: nn.Module, context) -> None:
-        self.model = shared_copy(model)
-        self.names = [n for n, _ in published_params(model)]
+    def __init__(self, model: nn.Module, context, dtype: torch.dtype, max_bytes: int = SHARED_BUCKET_BYTES,
+                 timeout: float = TRANSFER_SECONDS) -> None:
+        self.full, self.trainable = wire_layout(model, dtype, full=True), wire_layout(model, dtype, full=False)
+        self.max_bytes, self.timeout = max_bytes, timeout
+        capacity = max(bucket_capacity(self.full, max_bytes), bucket_capacity(self.trainable, max_bytes), 1)
+        self.bucket = torch.empty(capacity, dtype=torch.uint8).share_memory_()
+        self.announced = context.Value("q", 0, lock=False)
+        """Publishes begun by the trainer."""
         self.version = context.Value("q", 0, lock=False)
-        self.lock = context.Lock()
+        """The version of the publish being (or last) sent."""
+        self.filled, self.emptied = context.Semaphore(0), context.Semaphore(0)
+        self.count = 0
+        """The trainer's publishes sent."""
+        self.broken = False
 
-    def publish(self, model: nn.Module, version: int) -> None:
-        """Copy ``model``'s trainable weights in and name them ``version`` (updates done)."""
-        src = dict(published_params(model))
-        dst = dict(self.model.named_parameters())
-        with self.lock, torch.no_grad():
-            for name in self.names:
-                dst[name].copy_(src[name].detach().to("cpu", dst[name].dtype))
+    def publish(self, model: nn.Module, version: int, alive: Callable[[], bool] = lambda: True) -> bool:
+        """Send ``model``'s weights as ``version``, bucket by bucket; False when the worker died meanwhile (its owner
+        reports that); raises :class:`WeightTransferError` when the worker takes over ``timeout`` to get ready or to
+        take a bucket. The wait for the worker's turn comes before the first gather: under FSDP2 the other ranks then
+        wait in a gather for the transfer only."""
+        layout = self.full if self.count == 0 else self.trainable
+        if not self.broken:
             self.version.value = int(version)
+            self.announced.value = self.count + 1
+            self._taken(version, alive)  # the worker is between turns and takes this publish now
+
+        def hand_over(bucket: torch.Tensor) -> bool:
+            if self.broken:
+                return False
+            self.bucket[:bucket.numel()].copy_(bucket)
+            self.filled.release()
+            return self._taken(version, alive)
+
+        sent = send_buckets(model, layout, self.max_bytes, "cpu", hand_over)
+        if sent:
+            self.count += 1
+        return sent
+
+    def _taken(self, version: int, alive: Callable[[], bool]) -> bool:
+        """Wait for the worker's signal (ready, or a bucket taken); False (and broken) when it died."""
+        deadline = time.monotonic() + self.timeout
+        while not self.emptied.acquire(timeout=POLL_SECONDS / 10):
+            if not alive():
+                self.broken = True
+                return False
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise WeightTransferError(f"the rollout worker took over {self.timeout:.0f}s to receive weight version "
+                                          f"{version}")
+        return True
 
     def start(self, device: str) -> None:
-        """The worker's end needs nothing started (the transport interface: see ``CollectiveReceiver.start``)."""
-
-    def available(self) -> int:
-        """The newest version published: what the worker may play with."""
-        return int(self.version.value)
+        """The worker's end: counts the publishes it has taken."""
+        self.device = device
+        self._received = 0
 
     def load_into(self, model: nn.Module, have: int) -> int:
-        """Copy the published weights into ``model`` when they are newer than ``have``; the version it holds now."""
-        if int(self.version.value) <= have:
-            return have
-        src = dict(self.model.named_parameters())
-        dst = dict(model.named_parameters())
-        with self.lock, torch.no_grad():
-            for name in self.names:
-                dst[name].copy_(src[name])
-            return int(self.version.value)
+        """Take every publish begun so far into ``model``; the version it holds now. Called between turns."""
+        while self._received < int(self.announced.value):
+            layout = self.full if self._received == 0 else self.trainable
+
+            def take(bucket: torch.Tensor) -> None:
+                if not self.filled.acquire(timeout=self.timeout):
+                    raise WeightTransferError(f"the trainer sent no weight bucket for {self.timeout:.0f}s")
+                bucket.copy_(self.bucket[:bucket.numel()])
+                self.emptied.release()
+
+            version = int(self.version.value)  # read before the last bucket is taken: the next publish waits for it
+            self.emptied.release()  # ready: the trainer starts gathering and sending
+            receive_buckets(model, layout, self.max_bytes, self.device, take)
+            self._received += 1
+            have = version
+        return have
 
 
 # ------------------------------------------------------------------ the worker process
@@ -233,9 +298,16 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
         from agentopsd.rollout import factory
         from agentopsd.rollout.base import SamplingConfig  # noqa: F401  (unpickling sampling configs)
 
-        policy = copy.deepcopy(shared.model).to(device).eval()
-        shared.start(device)  # the collective transport's receiver thread: from now on every publish is received
-        version = shared.load_into(policy, -1)
+        # its own policy, on its device in its dtype; the trainer's first publish (every parameter) fills it, before
+        # anything slow (an engine's start) so the trainer waits for no more than the build
+        policy = spec.policy(device, spec.dtype)
+        shared.start(device)
+        version = -1
+        while version < spec.start:
+            version = shared.load_into(policy, version)
+            if _parent_gone(spec):
+                raise SystemExit(0)
+            time.sleep(0.005)
         prompts = factory.prompt_builder(spec.tokenizer, spec.env)
         sampling, _ = factory.sampling_configs(spec.rollout, prompts.stop_strings)
         generator = factory.make_generator(policy, spec.tokenizer, spec.env, spec.rollout, seed=worker_engine_seed(spec),
@@ -264,7 +336,8 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
         from agentopsd.training.preemption import RolloutStopped
 
         for iteration in range(spec.start, spec.end):
-            while not admitted(iteration, shared.available(), spec.max_staleness):
+            # between iterations no turn is in flight: each publish is taken as it comes (the trainer waits for it)
+            while not admitted(iteration, version := shared.load_into(policy, version), spec.max_staleness):
                 if stop.is_set() or _parent_gone(spec):
                     return _unread_is_dropped(out)
                 time.sleep(0.005)
@@ -283,6 +356,7 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
         # every iteration sent: stay until the trainer has read them and closes (an exit now could cut the last
         # batch, still in this process's send buffer)
         while not stop.is_set() and not _parent_gone(spec):
+            version = shared.load_into(policy, version)  # publishes still come: each waits to be taken
             time.sleep(0.05)
         return _unread_is_dropped(out)
     except SystemExit:
@@ -311,15 +385,16 @@ class AsyncRollout:
         # every check before any work starts: a wrong device list fails here, not in the worker
         spec = replace(spec, rollout_device=check_devices_at_start(devices, self.transport, spec.device, spec.rank,
                                                                    spec.world, visible))
+        if spec.policy is None:
+            spec = replace(spec, policy=policy_blueprint(model))
         self.spec = spec
         self.shared: SharedWeights | None = None
         self.sender: CollectiveSender | None = None
         if self.transport == "collective":
-            self.sender = CollectiveSender(model, spec.start, spec.device, "cuda:0" if spec.device.startswith("cuda") else "cpu")
+            self.sender = CollectiveSender(model, spec.dtype, spec.device, "cuda:0" if spec.device.startswith("cuda") else "cpu")
             worker_end = self.sender.receiver
         else:
-            self.shared = SharedWeights(model, ctx)
-            self.shared.version.value = spec.start
+            self.shared = SharedWeights(model, ctx, spec.dtype)
             worker_end = self.shared
         self.queue = ctx.Queue()
         self.stop = ctx.Event()
@@ -332,16 +407,16 @@ class AsyncRollout:
         # an exit that skips teardown (an exception, a stop by signal) still ends the worker, before multiprocessing's
         # own exit handler would wait for it (that handler's SIGTERM is one the worker ignores)
         atexit.register(self.close)
+        # the worker's one full sync: every parameter, into the policy it built (under FSDP2 every rank gathers here)
+        self.publish(model, spec.start)
 
     def publish(self, model: nn.Module, version: int) -> None:
-        """The weights after ``version`` updates, for the turns played from now on. Returns once they are sent, never
-        waiting for the worker's turn. A dead worker is reported by :meth:`next_batch`; a hung transfer raises
-        :class:`RolloutWorkerError`."""
-        if self.sender is None:
-            self.shared.publish(model, version)
-            return
+        """The weights after ``version`` updates, for the turns played from now on, streamed in bounded buckets. Returns
+        once the worker has taken them: it takes them between turns, so this waits for the turn in flight. A dead
+        worker is reported by :meth:`next_batch`; a hung transfer raises :class:`RolloutWorkerError`."""
+        transport = self.sender if self.sender is not None else self.shared
         try:
-            self.sender.publish(model, version, self.process.is_alive)
+            transport.publish(model, version, self.process.is_alive)
         except WeightTransferError as err:
             raise RolloutWorkerError(f"rollout worker of rank {self.spec.rank}: {err}") from None
 

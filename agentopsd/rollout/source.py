@@ -27,7 +27,13 @@ from torch import Tensor, nn
 
 from agentopsd.config import EnvConfig, RolloutConfig
 from agentopsd.rollout import factory
-from agentopsd.rollout.async_rollout import AsyncRollout, RolloutWorkerError, WorkerSpec, rank_tasks
+from agentopsd.rollout.async_rollout import (
+    AsyncRollout,
+    RolloutWorkerError,
+    WorkerSpec,
+    rank_tasks,
+    worker_dtype,
+)
 from agentopsd.rollout.collector import Collector
 from agentopsd.rollout.staleness import check_staleness, spanning_share, staleness_metrics
 from agentopsd.training.distributed import rank_and_world, shard_groups
@@ -148,6 +154,8 @@ class WorkerSettings:
     num_iterations: int
     model_path: str | None = None
     weights_as_loaded: bool = True
+    generation_dtype: torch.dtype | None = None
+    """The lockstep path's generation dtype on a CPU (:class:`agentopsd.training.precision.WeightPlan`): the worker's."""
 
 
 class AheadRollouts(LockstepRollouts):
@@ -216,9 +224,6 @@ class AheadRollouts(LockstepRollouts):
     def _start(self, iteration: int, at: Placement) -> AsyncRollout:
         if self.worker is not None:
             return self.worker
-        if at.sharded:
-            raise ValueError("rollout.max_staleness > 0 needs whole weights to hand to the rollout worker: use "
-                             "trainer=ddp (or one process), or rollout.max_staleness=0 under trainer=fsdp")
         if not hasattr(at.loader, "task_function"):
             raise TypeError("rollout.max_staleness > 0 needs the task stream (agentopsd.training.data.TaskDataModule) as the "
                             "training loader: the worker plays iterations ahead of it")
@@ -233,7 +238,9 @@ class AheadRollouts(LockstepRollouts):
                           device=str(at.device),  # a GPU rank's worker generates on that rank's GPU
                           # rollout.backend=vllm: the worker runs its own engine on model.path; the evaluation keeps its
                           # lockstep collector here, so this process builds a second engine when it evaluates
-                          model_path=s.model_path, weights_as_loaded=s.weights_as_loaded)
+                          model_path=s.model_path, weights_as_loaded=s.weights_as_loaded,
+                          # the worker builds its own policy in this dtype; under FSDP2 each rank gathers whole tensors
+                          dtype=worker_dtype(str(at.device), s.generation_dtype, _floating_dtype(at.model)))
         self.worker = AsyncRollout(spec, at.model)
         return self.worker
 
@@ -244,6 +251,11 @@ class AheadRollouts(LockstepRollouts):
             self.stop_other_ranks()
             os._exit(1)
         raise err
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the policy's first floating parameter (its trainable ones under LoRA are float32 masters)."""
+    return next((p.dtype for p in model.parameters() if p.dtype.is_floating_point), torch.float32)
 
 
 RolloutSource = LockstepRollouts

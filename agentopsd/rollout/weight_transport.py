@@ -1,34 +1,41 @@
 """How the trainer's weights reach its rollout worker (``rollout.weight_transport``), and where that worker runs
 (``rollout.devices``).
 
-Two transports behind one small interface (trainer side: ``publish(model, version)``; worker side: ``start(device)``,
-``available()``, ``load_into(model, have) -> version``, and ``model``, the full weights that cross the spawn):
+The worker builds its own policy (:class:`PolicyBlueprint`: the trainer's config, on the worker's device, in the
+worker's dtype: bf16 on a GPU) and the trainer's first publish fills every parameter of it; later publishes send the
+trainable ones (under LoRA the adapters). No copy of the trainer's model is ever made. Every publish streams byte
+buckets of at most a fixed size (:func:`plan_buckets`; a tensor larger than one spans several), in the worker's
+dtype, and the worker copies each one straight into its policy: each end holds one bucket and, on the trainer's, one
+whole tensor (under FSDP2 gathered from the shards, :func:`whole`, one at a time as the colocated vLLM sync gathers).
 
-- ``shared_memory`` (:class:`agentopsd.rollout.async_rollout.SharedWeights`): a CPU copy in shared memory and a
-  version counter. The default with the worker beside the trainer (on its CPU or on its own GPU).
-- ``collective`` (:class:`CollectiveSender` / :class:`CollectiveReceiver`): a broadcast over a private process
-  group of two members, the trainer (0) and its worker (1), built from its own ``TCPStore`` on a free port, never
-  the training's default group. NCCL when both ends are on CUDA (the worker on a GPU of its own,
+Two transports behind one small interface (trainer side: ``publish(model, version, alive) -> bool``; worker side:
+``start(device)`` and ``load_into(model, have) -> version``, between turns):
+
+- ``shared_memory`` (:class:`agentopsd.rollout.async_rollout.SharedWeights`): one bucket of
+  :data:`SHARED_BUCKET_BYTES` in shared memory, reused, and a handshake. The default with the worker beside the
+  trainer (on its CPU or on its own GPU).
+- ``collective`` (:class:`CollectiveSender` / :class:`CollectiveReceiver`): a broadcast per bucket over a private
+  process group of two members, the trainer (0) and its worker (1), built from its own ``TCPStore`` on a free port,
+  never the training's default group. NCCL when both ends are on CUDA (the worker on a GPU of its own,
   ``rollout.devices``), gloo on CPU. The default under ``rollout.devices``.
 
 The collective protocol (control plane through the store, data plane through the group, as the peers push weights
 to their inference engines: a request names the version, then the tensors are broadcast)::
 
-    trainer: store["publish/n"] = version  ->  broadcast(bucket) per dtype  ->  returns once the buckets are sent
-    worker receiver thread: waits for "publish/n", joins the broadcasts into its incoming buffers, then, under a
-                            lock, swaps them with the staged ones and marks the staged version
-    worker main thread, between turns: load_into copies the staged buffers into the policy (under the same lock)
-    close: store["publish/n"] = -1 (the sentinel): the receiver ends
+    trainer: store["publish/n"] = version  ->  waits for store["ready/n"]  ->  gather, broadcast(bucket) per bucket
+    worker, between turns (load_into): sees "publish/n", sets "ready/n", receives each bucket into its policy
+    close: store["publish/n"] = -1 (the sentinel)
 
 Why the version goes through the store and not a header broadcast: between two publishes lie an update and maybe an
 evaluation, of unbounded length, and a collective that waits that long would pass its timeout and break the group.
-A receiver that polls the store waits without a timeout; once a version is announced, the trainer is already in the
-broadcast, so the broadcast itself is bounded (:data:`TRANSFER_SECONDS`).
+A worker that polls the store waits without a timeout; once it is ready, the broadcasts are bounded
+(:data:`TRANSFER_SECONDS`).
 
-The trainer never waits for the worker's turn: the receiver thread is always ready for the next broadcast (it
-holds the lock only for a swap of two lists). A dead peer ends the other side in bounded time: the trainer polls
-its broadcast with the worker's liveness and a deadline; the receiver's store calls fail once the trainer's store
-is gone, and the worker's loop checks that its parent lives.
+A publish waits for the worker's turn in flight to end (the worker takes weights only between turns, into the policy
+it generates with), as the peers pause generation for a sync; it waits before its first gather, so that under FSDP2
+the other ranks wait in a gather only for the transfer itself. A dead peer ends the other side in bounded time: the
+trainer polls with the worker's liveness and a deadline; the worker's store calls fail once the trainer's store is
+gone, and the worker's loop checks that its parent lives.
 """
 
 from __future__ import annotations
@@ -45,12 +52,17 @@ from torch import nn
 
 TRANSFER_SECONDS = 120.0
 """Longest wait for one publish's broadcasts (and for the private group's rendezvous) before it fails."""
-RECEIVER_POLL_SECONDS = 0.02
-"""How often the worker's receiver asks the store for the next version."""
+BUCKET_BYTES = 256 * 2**20
+"""The largest bucket the collective sends: big enough that a broadcast's fixed cost is small beside its bytes (a
+7B model in bf16 is about 60 of them), small beside a GPU's memory, which holds one on each end during a publish."""
+SHARED_BUCKET_BYTES = 16 * 2**20
+"""The shared-memory transport's one bucket: well inside a container's default 64 MB ``/dev/shm``."""
 SENTINEL = -1
 """The version that tells the receiver to end."""
 TRANSPORTS = ("auto", "shared_memory", "collective")
 KEY = "publish/{}"
+READY = "ready/{}"
+"""Set by the worker once it is between turns and receiving publish n."""
 STORE_PREFIX = "agentopsd-weights"
 
 
@@ -144,48 +156,121 @@ def check_devices_at_start(devices: Sequence[int] | None, transport: str, traine
     return mine
 
 
-# ------------------------------------------------------------------ buckets: one flat buffer per dtype
+# ------------------------------------------------------------------ buckets: bounded byte ranges, streamed
 
 
 @dataclass(frozen=True)
-class Bucket:
-    """Trainable tensors of one dtype, laid end to end in one flat buffer (one broadcast instead of one per tensor)."""
+class Slot:
+    """One tensor on the wire: its name in the model, its whole shape and the dtype it travels (and lives) in."""
 
+    name: str
+    shape: tuple[int, ...]
     dtype: torch.dtype
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
 
     @property
-    def numels(self) -> tuple[int, ...]:
-        return tuple(int(torch.Size(s).numel()) for s in self.shapes)
-
-    @property
-    def total(self) -> int:
-        return sum(self.numels)
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def bucket_layout(model: nn.Module) -> tuple[Bucket, ...]:
-    """The trainable tensors grouped by dtype, in parameter order (both ends compute the same from the same model)."""
-    groups: dict[torch.dtype, list[tuple[str, tuple[int, ...]]]] = {}
-    for name, p in published_params(model):
-        groups.setdefault(p.dtype, []).append((name, tuple(p.shape)))
-    return tuple(Bucket(dtype, tuple(n for n, _ in items), tuple(s for _, s in items)) for dtype, items in groups.items())
+Piece = tuple[int, int, int]
+"""``(slot index, first byte, one past the last byte)``: a byte range of one tensor inside a bucket."""
 
 
-def flatten(model: nn.Module, layout: Sequence[Bucket], device: str | torch.device) -> list[torch.Tensor]:
-    """Each bucket's tensors of ``model`` as one flat buffer on ``device``."""
+def wire_layout(model: nn.Module, dtype: torch.dtype, *, full: bool) -> tuple[Slot, ...]:
+    """What one publish sends, in parameter order: every parameter (``full``, the start's sync; each tied one once)
+    or the trainable ones (under LoRA the adapters), floating ones in ``dtype`` (the worker's). The shapes are whole
+    ones: an FSDP2 shard (a DTensor) reports its whole shape. Buffers are not sent: the worker builds its own from the
+    same config (a causal LM holds none that training changes)."""
+    items = model.named_parameters() if full else published_params(model)
+    return tuple(Slot(n, tuple(p.shape), dtype if p.dtype.is_floating_point else p.dtype) for n, p in items)
+
+
+def plan_buckets(sizes: Sequence[int], max_bytes: int) -> list[list[Piece]]:
+    """The tensors of ``sizes`` bytes laid end to end and cut every ``max_bytes``: each bucket holds at most
+    ``max_bytes`` (a tensor larger than that spans several), so neither end ever holds more than one bucket beside
+    one whole tensor, whatever the model's size. Both ends compute the same plan from the same layout."""
+    if max_bytes < 1:
+        raise ValueError(f"a weight bucket needs at least one byte, got {max_bytes}")
+    buckets: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = max_bytes
+    for index, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(room, size - start)
+            current.append((index, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                buckets.append(current)
+                current, room = [], max_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_capacity(layout: Sequence[Slot], max_bytes: int) -> int:
+    """The bytes of the largest bucket of ``layout`` (never above ``max_bytes``)."""
+    return min(max_bytes, sum(s.nbytes for s in layout)) if layout else 0
+
+
+def whole(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole tensor, detached, in ``dtype``: an FSDP2 shard (a DTensor) is cast on its own rank, then gathered
+    (``full_tensor``, a collective every rank runs in the same order), as the colocated vLLM sync gathers."""
+    from agentopsd.rollout.vllm_backend import _full
+
+    return _full(tensor, dtype if tensor.dtype.is_floating_point else None)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat byte view of a contiguous tensor (no copy)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def send_buckets(model: nn.Module, layout: Sequence[Slot], max_bytes: int, device: str | torch.device,
+                 send: Callable[[torch.Tensor], bool]) -> bool:
+    """Stream ``model``'s tensors of ``layout`` through ``send``, one bucket of at most ``max_bytes`` at a time, in
+    one reused buffer on ``device``; each tensor is gathered whole once, when its first bytes are due. A failed
+    ``send`` (False) stops the sending but not the gathering: under FSDP2 every rank must run all its gathers."""
     params = dict(model.named_parameters())
+    bucket = torch.empty(bucket_capacity(layout, max_bytes), dtype=torch.uint8, device=device)
+    held, data = -1, None
+    ok = True
     with torch.no_grad():
-        return [torch.cat([params[n].detach().reshape(-1) for n in b.names]).to(device) for b in layout]
+        for pieces in plan_buckets([s.nbytes for s in layout], max_bytes):
+            offset = 0
+            for index, start, stop in pieces:
+                if index != held:
+                    data = None  # the previous tensor is freed before the next is gathered
+                    data = _bytes_of(whole(params[layout[index].name], layout[index].dtype))
+                    held = index
+                bucket[offset:offset + stop - start].copy_(data[start:stop])
+                offset += stop - start
+            ok = ok and send(bucket[:offset])
+    return ok
 
 
-def unflatten_into(model: nn.Module, layout: Sequence[Bucket], flats: Sequence[torch.Tensor]) -> None:
-    """Copy each bucket's flat buffer back into ``model``'s tensors."""
+def receive_buckets(model: nn.Module, layout: Sequence[Slot], max_bytes: int, device: str | torch.device,
+                    receive: Callable[[torch.Tensor], None]) -> None:
+    """The worker's half of :func:`send_buckets`: each bucket ``receive``d into one reused buffer on ``device``, then
+    its byte ranges copied straight into ``model``'s tensors (which live in the wire's dtypes: no staging copy)."""
     params = dict(model.named_parameters())
+    targets = []
+    for slot in layout:
+        p = params[slot.name]
+        if p.dtype != slot.dtype or tuple(p.shape) != slot.shape or not p.is_contiguous():
+            raise ValueError(f"the rollout worker's {slot.name} is {p.dtype} {tuple(p.shape)}, the trainer sends "
+                             f"{slot.dtype} {slot.shape}: the worker's policy must be built in the wire's dtype")
+        targets.append(p.detach().view(-1).view(torch.uint8))
+    bucket = torch.empty(bucket_capacity(layout, max_bytes), dtype=torch.uint8, device=device)
     with torch.no_grad():
-        for bucket, flat in zip(layout, flats, strict=True):
-            for name, shape, part in zip(bucket.names, bucket.shapes, flat.split(list(bucket.numels)), strict=True):
-                params[name].copy_(part.view(shape))
+        for pieces in plan_buckets([s.nbytes for s in layout], max_bytes):
+            used = sum(stop - start for _, start, stop in pieces)
+            receive(bucket[:used])
+            offset = 0
+            for index, start, stop in pieces:
+                targets[index][start:stop].copy_(bucket[offset:offset + stop - start])
+                offset += stop - start
 
 
 # ------------------------------------------------------------------ the private two-member group
@@ -221,121 +306,112 @@ def _free_store(timeout: float):
     return dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def shared_copy(model: nn.Module) -> nn.Module:
-    """A CPU copy of the whole policy in shared memory: the worker's starting point, crossing the spawn."""
-    import copy
+@dataclass(frozen=True)
+class PolicyBlueprint:
+    """How a rollout worker builds its own policy (picklable: it crosses the spawn): the trainer's transformers config,
+    its generation config and, under LoRA, its adapters' config. Built in the worker on its device and in its dtype,
+    it holds nothing worth keeping until the first (full) publish fills every parameter: no copy of the trainer's
+    model is ever made, on its device or in shared memory."""
 
-    twin = copy.deepcopy(model).cpu().requires_grad_(False)
-    for t in (*twin.parameters(), *twin.buffers()):
-        t.share_memory_()
-    return twin
+    config: object
+    generation_config: object = None
+    lora: object = None
+    """The active adapter's ``peft`` config; None without LoRA."""
+
+    def __call__(self, device: str, dtype: torch.dtype) -> nn.Module:
+        import transformers
+
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(self.config, dtype=dtype)
+            if self.lora is not None:
+                import peft
+
+                model = peft.get_peft_model(model, self.lora)
+        for p in model.parameters():  # peft makes float32 adapters: the worker runs (and receives) one dtype
+            if p.dtype.is_floating_point and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        if self.generation_config is not None:
+            (model.get_base_model() if self.lora is not None else model).generation_config = self.generation_config
+        return model.requires_grad_(False).eval()
+
+
+def policy_blueprint(model: nn.Module) -> PolicyBlueprint:
+    """The :class:`PolicyBlueprint` of the trainer's policy (a transformers model, maybe a peft one around it)."""
+    lora = None
+    if callable(getattr(model, "get_base_model", None)):
+        lora = model.peft_config[model.active_adapter]
+        model = model.get_base_model()
+    return PolicyBlueprint(model.config, getattr(model, "generation_config", None), lora)
 
 
 class CollectiveReceiver:
-    """The worker's end (picklable until :meth:`start`): a thread that receives every published version into staging
-    buffers; :meth:`load_into` copies the newest staged version into the policy between turns."""
+    """The worker's end (picklable until :meth:`start`): between turns, :meth:`load_into` receives every version the
+    trainer has announced, bucket by bucket, straight into the worker's policy."""
 
-    def __init__(self, model: nn.Module, layout: tuple[Bucket, ...], port: int, backend: str, start_version: int,
-                 timeout: float) -> None:
-        self.model = model
-        self.layout = layout
+    def __init__(self, full: tuple[Slot, ...], trainable: tuple[Slot, ...], port: int, backend: str, timeout: float,
+                 max_bytes: int) -> None:
+        self.full, self.trainable = full, trainable
         self.port = port
         self.backend = backend
-        self.start_version = start_version
         self.timeout = timeout
+        self.max_bytes = max_bytes
 
     def start(self, device: str) -> None:
-        """Begin receiving, into buffers on ``device`` (the worker's: ``cuda:0`` of its visible GPU, or ``cpu``)."""
-        self.device = device
-        self._lock = threading.Lock()
-        self._staged: list[torch.Tensor] | None = None
-        self._staged_version = self.start_version
-        self._error: str | None = None
-        self._thread = threading.Thread(target=self._receive, name="agentopsd-weight-receiver", daemon=True)
-        self._thread.start()
-
-    def _receive(self) -> None:
-        try:
-            self._receive_all()  # its group and store are freed when it returns, before the thread counts as ended
-        except BaseException as err:  # noqa: BLE001  (the main thread reports it, as one line)
-            with self._lock:
-                self._error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-    def _receive_all(self) -> None:
-        """Receive every version until the sentinel; raises when the trainer or the transfer fails."""
+        """Join the private group (its rendezvous waits for the trainer's :meth:`CollectiveSender.connect`), with
+        buckets on ``device`` (the worker's: ``cuda:0`` of its visible GPU, or ``cpu``)."""
         import torch.distributed as dist
 
-        if self.device.startswith("cuda"):  # GPU only: never ran here
-            torch.cuda.set_device(self.device)
-            # a stream of its own (the current stream is per thread): receiving never queues behind generation
-            torch.cuda.set_stream(torch.cuda.Stream())
-        store = dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=datetime.timedelta(seconds=self.timeout))
-        group = private_group(store, 1, self.backend, self.timeout)
-        incoming: list[torch.Tensor] | None = None
-        n = 0
-        while True:
-            key = KEY.format(n)
-            if not store.check([key]):
-                time.sleep(RECEIVER_POLL_SECONDS)
-                continue
-            version = int(store.get(key))
-            store.delete_key(key)
-            if version == SENTINEL:
-                return
-            if incoming is None:
-                incoming = [torch.empty(b.total, dtype=b.dtype, device=self.device) for b in self.layout]
-            for flat in incoming:
-                group.broadcast([flat], _broadcast_options()).wait()
-            if self.device.startswith("cuda"):
-                torch.cuda.current_stream().synchronize()  # received before the main thread reads it
-            with self._lock:  # a swap, never a copy: the trainer's next broadcast is never held by a turn
-                self._staged, incoming = incoming, self._staged
-                self._staged_version = version
-            n += 1
-
-    def _raise_failed(self) -> None:
-        if self._error is not None:
-            raise WeightTransferError(f"the weight receiver of the rollout worker failed: {self._error}")
-
-    def available(self) -> int:
-        """The newest version received (staged, not yet loaded, or loaded): what the worker may play with."""
-        with self._lock:
-            self._raise_failed()
-            return self._staged_version
+        self.device = device
+        if device.startswith("cuda"):  # GPU only: never ran here
+            torch.cuda.set_device(device)
+        self._store = dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=datetime.timedelta(seconds=self.timeout))
+        self._group = private_group(self._store, 1, self.backend, self.timeout)
+        self._received = 0
+        self.closed = False
 
     def load_into(self, model: nn.Module, have: int) -> int:
-        """Copy the staged weights into ``model`` when they are newer than ``have``; the version it holds now."""
-        with self._lock:
-            self._raise_failed()
-            if self._staged is None:  # nothing received yet: the policy holds the start version, from the spawn
-                return max(have, self.start_version)
-            if self._staged_version <= have:
-                return have
-            unflatten_into(model, self.layout, self._staged)
-            if self.device.startswith("cuda"):  # the copies done before the receiver may reuse these buffers
-                torch.cuda.current_stream().synchronize()
-            return self._staged_version
-
-    def ended(self, timeout: float) -> bool:
-        """Whether the receiver thread has ended (after the sentinel or a failure), waiting up to ``timeout``."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Receive every version announced so far into ``model`` (the first one: every parameter; later ones: the
+        trainable ones); the version it holds now. Called between turns: a turn never sees half of a version. Raises
+        :class:`WeightTransferError` when the trainer's store or the transfer fails."""
+        try:
+            while not self.closed and self._store.check([KEY.format(self._received)]):
+                key = KEY.format(self._received)
+                version = int(self._store.get(key))
+                self._store.delete_key(key)
+                if version == SENTINEL:
+                    self.closed = True
+                    break
+                self._store.set(READY.format(self._received), "1")  # between turns: the trainer starts gathering
+                layout = self.full if self._received == 0 else self.trainable
+                receive_buckets(model, layout, self.max_bytes, self.device,
+                                lambda bucket: self._group.broadcast([bucket], _broadcast_options()).wait())
+                if self.device.startswith("cuda"):
+                    torch.cuda.current_stream().synchronize()
+                self._received += 1
+                have = version
+        except WeightTransferError:
+            raise
+        except Exception as err:  # noqa: BLE001  (one line: the worker reports it to the trainer)
+            raise WeightTransferError(f"the weight receiver of the rollout worker failed: {type(err).__name__}: "
+                                      f"{str(err).splitlines()[0] if str(err) else ''}") from None
+        return have
 
 
 class CollectiveSender:
-    """The trainer's end: announces each version in its store and broadcasts the trainable tensors, one flat buffer
-    per dtype, to its worker."""
+    """The trainer's end: announces each version in its store and broadcasts its tensors to its worker in buckets of
+    at most ``max_bytes``, in the worker's dtype (the first publish: every parameter; later ones: the trainable)."""
 
-    def __init__(self, model: nn.Module, start_version: int, trainer_device: str, worker_device: str,
-                 timeout: float | None = None) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype, trainer_device: str, worker_device: str,
+                 timeout: float | None = None, max_bytes: int = BUCKET_BYTES) -> None:
         self.timeout = TRANSFER_SECONDS if timeout is None else timeout
-        self.layout = bucket_layout(model)
+        self.full, self.trainable = wire_layout(model, dtype, full=True), wire_layout(model, dtype, full=False)
+        self.max_bytes = max_bytes
         self.backend = collective_backend(trainer_device, worker_device)
         # gloo sends CPU tensors; NCCL the trainer's own CUDA ones
         self.device = trainer_device if self.backend == "nccl" else "cpu"
         self.store = _free_store(self.timeout)
-        self.receiver = CollectiveReceiver(shared_copy(model), self.layout, self.store.port, self.backend, start_version,
-                                           self.timeout)
+        self.receiver = CollectiveReceiver(self.full, self.trainable, self.store.port, self.backend, self.timeout,
+                                           max_bytes)
         self.count = 0
         self.broken = False
         self._group = None
@@ -368,30 +444,48 @@ class CollectiveSender:
         return True
 
     def publish(self, model: nn.Module, version: int, alive: Callable[[], bool] = lambda: True) -> bool:
-        """Send ``model``'s trainable weights as ``version``; returns once sent (the worker loads them between turns).
-        False, sending nothing, when the worker is dead (its owner reports that); raises when it hangs."""
-        if self.broken:
-            return False
-        if self._connector is None:
-            self.connect()
-        if not self._wait(lambda: not self._connector.is_alive(), alive, "join the weight transfer group"):
-            self.broken = True
-            return False
-        if self._group_error is not None:
-            self.broken = True
-            raise WeightTransferError(f"the weight transfer group failed: {type(self._group_error).__name__}: "
-                                      f"{str(self._group_error).splitlines()[0]}")
-        flats = flatten(model, self.layout, self.device)
-        self.store.set(KEY.format(self.count), str(int(version)))
-        works = [self._group.broadcast([flat], _broadcast_options()) for flat in flats]
-        try:
-            if not self._wait(lambda: all(w.is_completed() for w in works), alive, f"receive weight version {version}"):
+        """Send ``model``'s weights as ``version``, bucket by bucket; returns once the worker has taken them, which it
+        does between turns (so a publish waits for the turn in flight, as the peers pause generation for a sync).
+        False when the worker is dead (its owner reports that); raises when it hangs. Under FSDP2 every rank gathers
+        every tensor even when its own worker is gone: the gathers are collectives of the training's group."""
+        layout = self.full if self.count == 0 else self.trainable
+        if not self.broken:
+            if self._connector is None:
+                self.connect()
+            if not self._wait(lambda: not self._connector.is_alive(), alive, "join the weight transfer group"):
                 self.broken = True
-                return False
-            for w in works:
-                w.wait()  # raises a failed transfer's error
+            elif self._group_error is not None:
+                self.broken = True
+                raise WeightTransferError(f"the weight transfer group failed: {type(self._group_error).__name__}: "
+                                          f"{str(self._group_error).splitlines()[0]}")
+            else:
+                self.store.set(KEY.format(self.count), str(int(version)))
+                # the worker takes it between turns: wait for that before the first gather, so that under FSDP2 the
+                # other ranks wait in a gather for the transfer only
+                ready = READY.format(self.count)
+                if self._wait(lambda: self.store.check([ready]), alive, f"take weight version {version}"):
+                    self.store.delete_key(ready)
+                else:
+                    self.broken = True
+        try:
+            sent = send_buckets(model, layout, self.max_bytes, self.device,
+                                lambda bucket: not self.broken and self._broadcast(bucket, version, alive))
         except WeightTransferError:
             self.broken = True
+            raise
+        if sent:
+            self.count += 1
+        return sent
+
+    def _broadcast(self, bucket: torch.Tensor, version: int, alive: Callable[[], bool]) -> bool:
+        """One bucket to the worker; False (and broken) when it died meanwhile."""
+        try:
+            work = self._group.broadcast([bucket], _broadcast_options())
+            if not self._wait(work.is_completed, alive, f"receive weight version {version}"):
+                self.broken = True
+                return False
+            work.wait()  # raises a failed transfer's error
+        except WeightTransferError:
             raise
         except Exception as err:  # the transport's own error: a dead worker is its owner's to report
             self.broken = True
@@ -399,7 +493,6 @@ class CollectiveSender:
                 return False
             raise WeightTransferError(f"sending weight version {version} failed: {type(err).__name__}: "
                                       f"{str(err).splitlines()[0] if str(err) else ''}") from None
-        self.count += 1
         return True
 
     def close(self) -> None:

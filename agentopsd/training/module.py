@@ -172,7 +172,7 @@ class AgentRLModule(L.LightningModule):
                                               overlap_waves=self.rollout_cfg.overlap_waves)
 
             settings = WorkerSettings(self.tokenizer, self.env_cfg, self.rollout_cfg, self.seed, self.num_iterations,
-                                      self.model_path, self.weights_as_loaded)
+                                      self.model_path, self.weights_as_loaded, self.weight_plan.generation_dtype)
             self._rollouts = make_rollout_source(
                 build_collector, settings, with_teacher=self.algorithm.needs_teacher, teacher_scoring=self.teacher_scoring,
                 stop_request=self.stop_request, stop_other_ranks=self._stop_other_ranks,

@@ -12,6 +12,8 @@ import copy
 import functools
 import os
 import signal
+import threading
+import time
 
 import lightning as L
 import pytest
@@ -21,6 +23,7 @@ from agentopsd.callbacks.credit import CreditCallback
 from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import AgentOPSD
 from agentopsd.rollout.async_rollout import RolloutWorkerError, SharedWeights, admitted
+from agentopsd.rollout.weight_transport import policy_blueprint
 from agentopsd.training.data import TaskDataModule, sample_tasks
 from agentopsd.training.module import AgentRLModule
 from tests.conftest import TOY_ID, WALK_SKILLS
@@ -68,24 +71,80 @@ def test_admission_control_bounds_staleness():
     assert admitted(2, 0, 2) and not admitted(3, 0, 2)
 
 
-def test_shared_weights_hand_over_a_whole_version(tiny_walk_policy):
+def _take_in_a_thread(shared: SharedWeights, policy, want: int) -> threading.Thread:
+    """The worker's side between turns: take publishes until version ``want`` is in ``policy``."""
+    def take() -> None:
+        version = -1
+        while version < want:
+            version = shared.load_into(policy, version)
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=take, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_shared_memory_holds_one_small_bucket_and_hands_over_whole_versions(tiny_walk_policy):
+    """Nothing model-sized in /dev/shm: one bucket, reused; the worker's own bf16 policy (built from the config, not
+    a copy of the trainer's) takes the first publish whole, then each version's trainable weights."""
     import torch.multiprocessing as mp
 
     model = copy.deepcopy(tiny_walk_policy[0])
-    shared = SharedWeights(model, mp.get_context("spawn"))
-    reader = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    assert shared.load_into(reader, 0) == 0  # nothing newer than version 0 published: nothing copied
-    shared.publish(model, 1)
-    assert shared.load_into(reader, 0) == 1
-    for (_, a), (_, b) in zip(model.named_parameters(), reader.named_parameters()):
-        assert torch.equal(a, b)
-    with torch.no_grad():
-        next(model.parameters()).add_(1.0)
-    assert shared.load_into(reader, 1) == 1  # same version: the reader keeps what it has
-    assert not torch.equal(next(model.parameters()), next(reader.parameters()))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    shared = SharedWeights(model, mp.get_context("spawn"), torch.bfloat16, max_bytes=4096)
+    assert shared.bucket.is_shared() and shared.bucket.numel() * shared.bucket.element_size() == 4096 < model_bytes / 10
+    reader = policy_blueprint(model)("cpu", torch.bfloat16)
+    assert {p.dtype for p in reader.parameters()} == {torch.bfloat16}
+    assert [n for n, _ in reader.named_parameters()] == [n for n, _ in model.named_parameters()]
+    shared.start("cpu")
+    for version in (0, 1):
+        thread = _take_in_a_thread(shared, reader, version)
+        assert shared.publish(model, version, lambda: True)  # returns once the reader took the last bucket
+        thread.join(30)
+        assert not thread.is_alive()
+        for (name, a), b in zip(model.named_parameters(), reader.parameters()):
+            assert torch.equal(a.detach().to(torch.bfloat16), b), (version, name)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+    assert shared.load_into(reader, 1) == 1  # nothing newer published: nothing taken
+
+
+def test_the_worker_generates_in_the_runs_generation_dtype(tiny_walk_policy, monkeypatch):
+    """bf16 on a GPU; on a CPU the lockstep path's choice (a bf16 copy where the CPU computes bf16 natively), else the
+    policy's dtype: the producer is started with it."""
+    from agentopsd.rollout import source
+    from agentopsd.rollout.async_rollout import worker_dtype
+    from agentopsd.training.precision import WeightPlan
+
+    assert worker_dtype("cuda:1", None, torch.float32) == torch.bfloat16
+    assert worker_dtype("cpu", torch.bfloat16, torch.float32) == torch.bfloat16
+    assert worker_dtype("cpu", None, torch.float32) == torch.float32
+    started = []
+
+    class Captured(Exception):
+        pass
+
+    def capture(spec, model):
+        started.append(spec.dtype)
+        raise Captured
+
+    monkeypatch.setattr(source, "AsyncRollout", capture)
+    for plan, want in ((WeightPlan(generation_dtype=torch.bfloat16), torch.bfloat16), (WeightPlan(), torch.float32)):
+        module = make_module(tiny_walk_policy, 2, 1)
+        module.weight_plan = plan
+        with pytest.raises(Captured):
+            fit(module, 2)
+        assert started[-1] == want
+    # a sharded (FSDP2) policy starts its worker too: each rank gathers whole tensors from its shards
+    from agentopsd.rollout.source import Placement
+    from agentopsd.training.data import TaskStream
+
+    module = make_module(tiny_walk_policy, 2, 1)
+    with pytest.raises(Captured):
+        module.rollouts.collect((), 0, Placement(module.model, 0, torch.device("cpu"), sharded=True,
+                                                 loader=TaskStream(TOY_ID, 4, 2, 3, 2, 0)))
+    assert started[-1] == torch.float32
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -133,7 +192,7 @@ def test_the_collective_transport_end_to_end(tiny_walk_policy):
     module = make_module(tiny_walk_policy, iterations, k, "collective")
     recorder, probe = BatchRecorder(), TransportProbe()
     fit(module, iterations, recorder, probe)
-    assert probe.transport == "collective" and probe.sent == [0, 1, 2]  # one broadcast per update
+    assert probe.transport == "collective" and probe.sent == [1, 2, 3]  # the full sync at start, then one per update
     for it, versions in recorder.versions.items():
         assert versions and all(0 <= it - v <= k for v in versions), (it, versions)
     assert min(recorder.versions[2]) >= 1  # version 1 reached the worker through the collective

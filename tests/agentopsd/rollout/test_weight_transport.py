@@ -1,13 +1,14 @@
 """The weight transport of asynchronous rollouts (:mod:`agentopsd.rollout.weight_transport`) and ``rollout.devices``.
 
 The collective channel runs here exactly as on GPUs but over gloo: this test process is the trainer, a spawned
-process the worker. Each version published reaches the worker's policy whole; a publish returns while the worker
-is busy in a turn; a killed worker or trainer ends the other side within a timeout. NCCL itself never ran here.
+process the worker, which builds its own policy (in bf16 here, the worker's dtype on a GPU) and takes the first
+publish whole. Each version streams in buckets of a few bytes (tensors split across them) straight into that policy,
+which then equals the trainer's weights in its dtype; a publish waits for the worker's turn; a killed worker or
+trainer ends the other side within a timeout. NCCL itself never ran here.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 import time
@@ -22,25 +23,36 @@ from agentopsd.config import RolloutConfig
 from agentopsd.rollout.async_rollout import worker_device_env
 from agentopsd.rollout.weight_transport import (
     CollectiveSender,
-    bucket_layout,
     check_devices_at_start,
     collective_backend,
-    flatten,
+    plan_buckets,
+    receive_buckets,
     resolve_transport,
-    unflatten_into,
+    send_buckets,
+    wire_layout,
 )
 
 CTX = mp.get_context("spawn")
 WAIT = 60.0
 """Seconds a test waits for a spawned process' first report (it imports torch)."""
+WIRE = torch.bfloat16
+"""The worker's dtype in these tests (a GPU worker's)."""
+CAP = 40
+"""Bytes per bucket: smaller than the first layer's weight, which then spans buckets."""
 
 
 def _model() -> nn.Module:
-    """Two dtypes (two buckets) and a frozen tensor the transport must leave alone."""
+    """A frozen tensor the transport sends only in the first (full) publish."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2).double(), nn.Linear(2, 2))
+    model = nn.Sequential(nn.Linear(3, 8), nn.Linear(8, 2), nn.Linear(2, 2))
     model[2].requires_grad_(False)
     return model
+
+
+def _worker_model(device: str = "cpu", dtype: torch.dtype = WIRE) -> nn.Module:
+    """The worker's own policy: the same architecture, other (random) weights, in its dtype."""
+    torch.manual_seed(123)
+    return nn.Sequential(nn.Linear(3, 8), nn.Linear(8, 2), nn.Linear(2, 2)).to(device, dtype).requires_grad_(False)
 
 
 def _bump(model: nn.Module, by: float) -> None:
@@ -49,42 +61,106 @@ def _bump(model: nn.Module, by: float) -> None:
             p.add_(by)
 
 
-def _params(model: nn.Module) -> list[torch.Tensor]:
-    """By value (numpy): a tensor would cross the queue by a handle that dies with the process that sent it."""
-    return [p.detach().numpy().copy() for p in model.parameters()]
+def _params(model: nn.Module) -> list:
+    """By value (numpy, float32): a tensor would cross the queue by a handle that dies with the process that sent it."""
+    return [p.detach().float().numpy().copy() for p in model.parameters()]
+
+
+def _same(model: nn.Module, weights: list, trainable: bool = False) -> bool:
+    """The trainer's weights (``trainable``: those a later publish sends), rounded to the wire's dtype, equal the
+    worker's."""
+    return all(torch.equal(a.detach().to(WIRE).float(), torch.from_numpy(b))
+               for a, b in zip(model.parameters(), weights) if a.requires_grad or not trainable)
+
+
+# ------------------------------------------------------------------ buckets (pure, in one process)
+
+
+def test_buckets_are_bounded_and_cover_every_byte_once():
+    sizes = [10, 100, 3, 0, 50]
+    plan = plan_buckets(sizes, 32)
+    assert all(sum(stop - start for _, start, stop in b) <= 32 for b in plan)
+    assert all(sum(stop - start for _, start, stop in b) == 32 for b in plan[:-1])  # no room left unused
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for bucket in plan:
+        for index, start, stop in bucket:
+            covered.setdefault(index, []).append((start, stop))
+    for index, size in enumerate(sizes):
+        ranges = covered.get(index, [])
+        assert [r for r in ranges if r[0] < r[1]] == ranges and (not ranges or ranges[0][0] == 0), (index, ranges)
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and (ranges[-1][1] if ranges else 0) == size
+
+
+def test_buckets_stream_straight_into_the_workers_policy_in_its_dtype():
+    model, worker = _model(), _worker_model()
+    wire: list[torch.Tensor] = []
+
+    def send(bucket: torch.Tensor) -> bool:
+        assert bucket.numel() <= CAP  # the sender holds one bucket of at most CAP bytes
+        wire.append(bucket.clone())
+        return True
+
+    full = wire_layout(model, WIRE, full=True)
+    assert send_buckets(model, full, CAP, "cpu", send)
+    assert sum(b.numel() for b in wire) == sum(p.numel() for p in model.parameters()) * 2  # bf16 on the wire
+    receive_buckets(worker, full, CAP, "cpu", lambda bucket: bucket.copy_(wire.pop(0)))
+    assert not wire and _same(model, _params(worker))
+    _bump(model, 1.0)
+    trainable = wire_layout(model, WIRE, full=False)
+    assert "2.weight" not in {s.name for s in trainable}  # frozen: only in the full sync
+    send_buckets(model, trainable, CAP, "cpu", send)
+    receive_buckets(worker, trainable, CAP, "cpu", lambda bucket: bucket.copy_(wire.pop(0)))
+    for (name, a), b in zip(model.named_parameters(), worker.parameters()):
+        assert torch.equal(a.detach().to(WIRE), b) != name.startswith("2."), name
+    with pytest.raises(ValueError, match="wire's dtype"):  # a float32 policy cannot take bf16 bytes
+        receive_buckets(_worker_model(dtype=torch.float32), trainable, CAP, "cpu", lambda bucket: None)
 
 
 # ------------------------------------------------------------------ processes (module-level: they cross the spawn)
 
 
 def _follow(receiver, out, last: int, busy_seconds: float) -> None:
-    """A worker: report each version it loads (and its weights) until ``last``; first ``busy_seconds`` in a 'turn'
-    that loads nothing."""
+    """A worker: build its policy, take the first (full) publish, report it; then a 'turn' of ``busy_seconds`` that
+    takes nothing; then report each version it takes until ``last``."""
+    policy = _worker_model()
     receiver.start("cpu")
-    policy = copy.deepcopy(receiver.model)
-    version = receiver.load_into(policy, -1)
-    out.put(("started", version, os.getpid()))
-    time.sleep(busy_seconds)
+    version = -1
     try:
-        while version < last:
-            if receiver.available() > version:
-                version = receiver.load_into(policy, version)
+        while version < 0:
+            version = receiver.load_into(policy, version)
+            time.sleep(0.005)
+        out.put(("started", version, _params(policy)))
+        time.sleep(busy_seconds)
+        while version < last and not receiver.closed:
+            got = receiver.load_into(policy, version)
+            if got > version:
+                version = got
                 out.put(("loaded", version, _params(policy)))
+            time.sleep(0.005)
+        while not receiver.closed:  # the trainer's close: the sentinel
+            receiver.load_into(policy, version)
             time.sleep(0.005)
     except Exception as err:  # noqa: BLE001  (the receiver's failure ends this worker, as the real one)
         out.put(("failed", str(err), None))
         return
-    out.put(("ended", receiver.ended(WAIT), None))  # the trainer's close ends the receiver thread
+    out.put(("ended", True, None))
+
+
+def _publish(sender: CollectiveSender, model: nn.Module, version: int, worker) -> tuple[bool, float]:
+    t0 = time.monotonic()
+    return sender.publish(model, version, worker.is_alive), time.monotonic() - t0
 
 
 def _trainer(out) -> None:
-    """A trainer that spawns its worker, publishes version 1, reports the worker's pid, then waits to be killed."""
+    """A trainer that spawns its worker, publishes version 0 (full) and 1, reports the worker's pid, then waits to be
+    killed."""
     model = _model()
-    sender = CollectiveSender(model, 0, "cpu", "cpu")
+    sender = CollectiveSender(model, WIRE, "cpu", "cpu", max_bytes=CAP)
     reports = CTX.Queue()
     worker = CTX.Process(target=_follow, args=(sender.receiver, reports, 10**9, 0.0), daemon=True)
     worker.start()
     sender.connect()
+    sender.publish(model, 0, worker.is_alive)
     reports.get(timeout=WAIT)
     _bump(model, 1.0)
     sender.publish(model, 1, worker.is_alive)
@@ -94,13 +170,14 @@ def _trainer(out) -> None:
 
 
 def _start_worker(model: nn.Module, last: int, busy_seconds: float = 0.0):
-    sender = CollectiveSender(model, 0, "cpu", "cpu", timeout=30.0)
+    sender = CollectiveSender(model, WIRE, "cpu", "cpu", timeout=30.0, max_bytes=CAP)
     reports = CTX.Queue()
     worker = CTX.Process(target=_follow, args=(sender.receiver, reports, last, busy_seconds), daemon=True)
     worker.start()
     sender.connect()
-    kind, version, _ = reports.get(timeout=WAIT)
-    assert (kind, version) == ("started", 0)
+    assert sender.publish(model, 0, worker.is_alive)  # the full sync: the worker's own policy takes every weight
+    kind, version, weights = reports.get(timeout=WAIT)
+    assert (kind, version) == ("started", 0) and _same(model, weights)
     return sender, worker, reports
 
 
@@ -114,17 +191,6 @@ def _alive(pid: int) -> bool:
 # ------------------------------------------------------------------ the collective channel between two processes
 
 
-def test_buckets_round_trip_every_trainable_tensor():
-    model, other = _model(), _model()
-    _bump(other, 5.0)
-    layout = bucket_layout(model)
-    assert [b.dtype for b in layout] == [torch.float32, torch.float64]  # one flat buffer per dtype
-    assert "2.weight" not in {n for b in layout for n in b.names}  # frozen: never sent
-    unflatten_into(other, layout, flatten(model, layout, "cpu"))
-    for (name, a), b in zip(model.named_parameters(), other.parameters()):
-        assert torch.equal(a, b) != name.startswith("2."), name
-
-
 def test_collective_publishes_whole_versions_to_a_spawned_worker():
     model = _model()
     sender, worker, reports = _start_worker(model, last=3)
@@ -134,9 +200,7 @@ def test_collective_publishes_whole_versions_to_a_spawned_worker():
             assert sender.publish(model, version, worker.is_alive)
             kind, got, weights = reports.get(timeout=WAIT)
             assert (kind, got) == ("loaded", version)
-            for (name, a), b in zip(model.named_parameters(), weights):
-                if a.requires_grad:
-                    assert torch.equal(a, torch.from_numpy(b)), (version, name)
+            assert _same(model, weights, trainable=True)
         sender.close()
         assert reports.get(timeout=WAIT) == ("ended", True, None)
     finally:
@@ -145,20 +209,18 @@ def test_collective_publishes_whole_versions_to_a_spawned_worker():
     assert worker.exitcode == 0
 
 
-def test_publish_returns_while_the_worker_is_busy_in_a_turn():
+def test_a_publish_waits_for_the_turn_in_flight_then_streams():
+    """The worker takes a version between turns, straight into its policy: a publish during a turn returns once the
+    turn has ended and the buckets are in (no staging copy holds them meanwhile)."""
     model = _model()
-    busy = 3.0
-    sender, worker, reports = _start_worker(model, last=3, busy_seconds=busy)
+    busy = 2.0
+    sender, worker, reports = _start_worker(model, last=1, busy_seconds=busy)
     try:
-        t0 = time.monotonic()
-        for version in (1, 2, 3):
-            _bump(model, 1.0)
-            assert sender.publish(model, version, worker.is_alive)
-        took = time.monotonic() - t0
-        assert took < busy / 2, f"three publishes took {took:.1f}s: they waited for the worker's turn"
-        kind, got, weights = reports.get(timeout=WAIT)  # after its turn the worker loads the newest at once
-        assert (kind, got) == ("loaded", 3)
-        assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(model.parameters(), weights) if a.requires_grad)
+        _bump(model, 1.0)
+        ok, took = _publish(sender, model, 1, worker)
+        assert ok and took > busy / 2, f"the publish returned after {took:.1f}s, inside the worker's {busy:.0f}s turn"
+        kind, got, weights = reports.get(timeout=WAIT)
+        assert (kind, got) == ("loaded", 1) and _same(model, weights, trainable=True)
     finally:
         sender.close()
         worker.join(WAIT)
