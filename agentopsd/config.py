@@ -88,6 +88,11 @@ class RolloutConfig:
     """How each update's weights reach the rollout worker: ``shared_memory`` (a CPU copy, loaded between turns),
     ``collective`` (a broadcast over a private two-process group: NCCL between GPUs, gloo on CPU), or ``auto``
     (``collective`` with ``devices``, ``shared_memory`` otherwise)."""
+    worker_stall_seconds: float = 1800.0
+    """With ``max_staleness > 0``: the longest the trainer waits on its rollout worker with no sign of progress (a batch,
+    a turn, a step of its start, its joining the weight transfer group) before the run ends in one line. Long enough
+    for a slow engine start (a large model's vLLM load, CUDA graph capture and compile take minutes); a worker
+    alive but stuck would otherwise hold every rank forever."""
     teacher_scoring: str = "auto"
     """Where AgentOPSD's teacher view is scored when ``max_staleness > 0``. ``trainer``: by the trainer, with the
     weights current at the update (as in lockstep). ``worker``: by the rollout worker, right after each turn is
@@ -106,6 +111,8 @@ class RolloutConfig:
 
         object.__setattr__(self, "devices", check_devices_setting(self.devices, self.max_staleness, self.weight_transport))
         check_teacher_scoring(self.teacher_scoring, self.max_staleness, self.backend)
+        if not self.worker_stall_seconds > 0:
+            raise ValueError(f"rollout.worker_stall_seconds must be > 0 (seconds), got {self.worker_stall_seconds}")
         if self.max_staleness > 0 and int(dict(self.vllm).get("tensor_parallel_size") or 1) > 1:
             raise ValueError("rollout.max_staleness > 0 runs one vLLM engine per rollout worker, on its rank's device: "
                              "set rollout.vllm.tensor_parallel_size=1, or rollout.max_staleness=0")

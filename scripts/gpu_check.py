@@ -343,15 +343,11 @@ def async_overrides(setup: Setup, model_path: Path, output_dir: Path, sizes: Siz
     on a GPU of its own (``rollout.devices=[1]``, NCCL) on a GPU, beside the trainer over gloo on CPU; otherwise the
     worker shares the trainer's device and gets them through shared memory.
 
-    DDP, not the experiment's FSDP2 (asynchronous training under FSDP is refused at present), at the experiment's
-    bf16-mixed. Gradient checkpointing off: where the worker's policy copy crosses the spawn pickled, the input hook
-    that checkpointing installs cannot be pickled (a worker that builds its own policy from ``model.path`` needs no
-    such override)."""
+    DDP on one process (FSDP2's asynchronous path is tested on 2 gloo processes), at the experiment's bf16-mixed."""
     out = [
         f"+experiment={setup.experiment}",
         "trainer=ddp",
         "model.meta_on_other_ranks=false",  # FSDP2's loading (one process here: nothing to fill)
-        "model.gradient_checkpointing=false",
         f"model.path={model_path}",
         f"trainer.accelerator={accelerator}",
         "trainer.devices=1",

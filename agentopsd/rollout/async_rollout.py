@@ -12,6 +12,7 @@ The protocol, one producer per rank (each rank plays its own groups, as in locks
                              ---- all weights -->  taken whole; then the generator, the collector
     publish(model, v)        ---- weights ------>  taken between turns: episodes in flight carry on with them
     next_batch(i)            <--- queue --------  ("batch", i, trajectories, metrics) | ("error", ...) | ("stopped", i)
+                             <--- queue --------  ("progress", i, what, None): a step of its start, a turn
     close()                  ---- stop event --->  ends between turns; killed when it does not
 
 Admission control, never discard: the worker starts iteration ``i``'s episodes only once the trainer has
@@ -37,6 +38,11 @@ Each weight version the worker loads reaches the engine before its next generate
 (:func:`agentopsd.rollout.factory.engine_sync`, named by the version, so a version it holds is not sent twice).
 The engine never sleeps: nothing else runs in the worker that would want its memory. The trainer's evaluation
 keeps its own lockstep collector, and so its own engine, in the trainer's process.
+
+A worker alive but stuck (an engine start, a rendezvous, a turn that never returns) would hold every rank in
+``next_batch``; the worker therefore marks its progress (each step of its start, each turn, rate-limited), and
+``next_batch`` fails in one line when neither a batch nor a mark arrives within ``rollout.worker_stall_seconds`` of
+the later of its own start and the last mark.
 
 Resume: the queue is not checkpointed; it is regenerated. The tasks of an iteration are a function of
 (seed, iteration) alone (:func:`agentopsd.training.data.sample_tasks`), so a resumed producer starts at the first
@@ -80,8 +86,12 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.2
 """How often a waiting side checks that the other is alive."""
+PROGRESS_SECONDS = 5.0
+"""Least time between two progress marks of one step (a new step is marked at once): the queue stays small."""
 CLOSE_SECONDS = 10.0
 """How long ``close`` waits for the worker to end between turns before killing it."""
+STALL_SECONDS = 1800.0
+"""``rollout.worker_stall_seconds``' default (see :class:`agentopsd.config.RolloutConfig`)."""
 WORKER_SEED_STRIDE = 1_000_003
 
 
@@ -128,6 +138,8 @@ class WorkerSpec:
     policy: Callable[[str, torch.dtype], nn.Module] | None = None
     """Builds the worker's policy on its device in ``dtype`` (picklable); the first publish fills it. None: the
     trainer's policy's :class:`agentopsd.rollout.weight_transport.PolicyBlueprint`, set by :class:`AsyncRollout`."""
+    per_node: int | None = None
+    """The training processes per node, from the strategy (:func:`agentopsd.rollout.weight_transport.local_world`)."""
     worker_init: Callable[[], object] | None = None
     """Called first in the worker (picklable: a module-level function). A test seam: e.g. the fake ``vllm``
     (:func:`tests.fakes.fake_engine.install`), which lives in ``sys.modules`` and so does not cross the spawn."""
@@ -169,9 +181,11 @@ class SharedWeights:
     """
 
     def __init__(self, model: nn.Module, context, dtype: torch.dtype, max_bytes: int = SHARED_BUCKET_BYTES,
-                 timeout: float = TRANSFER_SECONDS) -> None:
+                 timeout: float = TRANSFER_SECONDS, ready_timeout: float = STALL_SECONDS) -> None:
         self.full, self.trainable = wire_layout(model, dtype, full=True), wire_layout(model, dtype, full=False)
         self.max_bytes, self.timeout = max_bytes, timeout
+        self.ready_timeout = ready_timeout
+        """Longest wait for the worker to be between turns (or, the first time, started): ``rollout.worker_stall_seconds``."""
         capacity = max(bucket_capacity(self.full, max_bytes), bucket_capacity(self.trainable, max_bytes), 1)
         self.bucket = torch.empty(capacity, dtype=torch.uint8).share_memory_()
         self.announced = context.Value("q", 0, lock=False)
@@ -192,7 +206,7 @@ class SharedWeights:
         if not self.broken:
             self.version.value = int(version)
             self.announced.value = self.count + 1
-            self._taken(version, alive)  # the worker is between turns and takes this publish now
+            self._taken(version, alive, ready=True)  # the worker is between turns and takes this publish now
 
         def hand_over(bucket: torch.Tensor) -> bool:
             if self.broken:
@@ -206,17 +220,20 @@ class SharedWeights:
             self.count += 1
         return sent
 
-    def _taken(self, version: int, alive: Callable[[], bool]) -> bool:
-        """Wait for the worker's signal (ready, or a bucket taken); False (and broken) when it died."""
-        deadline = time.monotonic() + self.timeout
+    def _taken(self, version: int, alive: Callable[[], bool], ready: bool = False) -> bool:
+        """Wait for the worker's signal (``ready``: between turns; else a bucket taken); False (and broken) when it
+        died."""
+        limit = self.ready_timeout if ready else self.timeout
+        deadline = time.monotonic() + limit
         while not self.emptied.acquire(timeout=POLL_SECONDS / 10):
             if not alive():
                 self.broken = True
                 return False
             if time.monotonic() > deadline:
                 self.broken = True
-                raise WeightTransferError(f"the rollout worker took over {self.timeout:.0f}s to receive weight version "
-                                          f"{version}")
+                what = (f"be between turns and take weight version {version} (rollout.worker_stall_seconds bounds this "
+                        "wait: stuck, or only slow)") if ready else f"receive weight version {version}"
+                raise WeightTransferError(f"the rollout worker took over {limit:.0f}s to {what}")
         return True
 
     def start(self, device: str) -> None:
@@ -275,6 +292,30 @@ def _unread_is_dropped(out) -> None:
     out.cancel_join_thread()
 
 
+class Progress:
+    """The worker's progress marks on its queue: the first of each step at once, repeats of a step (turns of one
+    iteration) at most every ``every`` seconds. A wait that is not progress (for weights) is marked once, never
+    repeated: the trainer's deadline then counts from it."""
+
+    def __init__(self, out, every: float = PROGRESS_SECONDS, clock: Callable[[], float] = time.monotonic) -> None:
+        self.out, self.every, self.clock = out, every, clock
+        self.last: str | None = None
+        self.sent = float("-inf")
+
+    def mark(self, iteration: int, what: str) -> None:
+        now = self.clock()
+        if what == self.last and now - self.sent < self.every:
+            return
+        self.out.put(("progress", iteration, what, None))
+        self.last, self.sent = what, now
+
+
+def stalled_for(now: float, waiting_since: float, last_progress: float) -> float:
+    """Seconds the trainer has waited with no sign of its worker: from the later of its wait's start (the worker may
+    idle, admitted iterations done, while the trainer updates) and the last mark received."""
+    return now - max(waiting_since, last_progress)
+
+
 def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
     """The worker's loop: admitted iterations in order, each played by the collector and sent whole. ``shared``: the
     worker's end of the weight transport (:class:`SharedWeights` or a ``CollectiveReceiver``)."""
@@ -287,7 +328,9 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
     os.environ.update(worker_device_env(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES"), spec.rollout_device))
     device = "cuda:0" if spec.device.startswith("cuda") else "cpu"
     iteration = spec.start
+    progress = Progress(out)
     try:
+        progress.mark(iteration, "starting")
         if spec.worker_init is not None:
             spec.worker_init()
         import gymnasium as gym
@@ -300,8 +343,11 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
 
         # its own policy, on its device in its dtype; the trainer's first publish (every parameter) fills it, before
         # anything slow (an engine's start) so the trainer waits for no more than the build
+        progress.mark(iteration, "building its policy")
         policy = spec.policy(device, spec.dtype)
+        progress.mark(iteration, "joining the weight transfer")
         shared.start(device)
+        progress.mark(iteration, "taking the first weights")
         version = -1
         while version < spec.start:
             version = shared.load_into(policy, version)
@@ -310,6 +356,7 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
             time.sleep(0.005)
         prompts = factory.prompt_builder(spec.tokenizer, spec.env)
         sampling, _ = factory.sampling_configs(spec.rollout, prompts.stop_strings)
+        progress.mark(iteration, f"starting its generator (rollout.backend={getattr(spec.rollout, 'backend', 'hf')})")
         generator = factory.make_generator(policy, spec.tokenizer, spec.env, spec.rollout, seed=worker_engine_seed(spec),
                                            model_path=spec.model_path, iterations_done=spec.start,
                                            weights_as_loaded=spec.weights_as_loaded)
@@ -326,6 +373,7 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
         def before_turn() -> int:
             if _parent_gone(spec):
                 raise SystemExit(0)
+            progress.mark(iteration, f"playing iteration {iteration}")
             return load_latest()
 
         collector = factory.make_collector(spec.env, generator, prompts, sampling, skill_bank=factory.skill_bank(spec.env),
@@ -337,6 +385,7 @@ def _worker_main(spec: WorkerSpec, shared, out, stop) -> None:
 
         for iteration in range(spec.start, spec.end):
             # between iterations no turn is in flight: each publish is taken as it comes (the trainer waits for it)
+            progress.mark(iteration, f"waiting for weight version {iteration - spec.max_staleness} to play iteration {iteration}")
             while not admitted(iteration, version := shared.load_into(policy, version), spec.max_staleness):
                 if stop.is_set() or _parent_gone(spec):
                     return _unread_is_dropped(out)
@@ -384,21 +433,26 @@ class AsyncRollout:
         visible = torch.cuda.device_count() if spec.device.startswith("cuda") else None
         # every check before any work starts: a wrong device list fails here, not in the worker
         spec = replace(spec, rollout_device=check_devices_at_start(devices, self.transport, spec.device, spec.rank,
-                                                                   spec.world, visible))
+                                                                   spec.world, visible, per_node=spec.per_node))
         if spec.policy is None:
             spec = replace(spec, policy=policy_blueprint(model))
         self.spec = spec
         self.shared: SharedWeights | None = None
         self.sender: CollectiveSender | None = None
         if self.transport == "collective":
-            self.sender = CollectiveSender(model, spec.dtype, spec.device, "cuda:0" if spec.device.startswith("cuda") else "cpu")
+            self.sender = CollectiveSender(model, spec.dtype, spec.device, "cuda:0" if spec.device.startswith("cuda") else "cpu",
+                                           connect_timeout=float(getattr(rollout, "worker_stall_seconds", STALL_SECONDS)))
             worker_end = self.sender.receiver
         else:
-            self.shared = SharedWeights(model, ctx, spec.dtype)
+            self.shared = SharedWeights(model, ctx, spec.dtype,
+                                        ready_timeout=float(getattr(rollout, "worker_stall_seconds", STALL_SECONDS)))
             worker_end = self.shared
         self.queue = ctx.Queue()
         self.stop = ctx.Event()
         self.next_iteration = spec.start
+        self.stall_seconds = float(getattr(rollout, "worker_stall_seconds", STALL_SECONDS))
+        self.progress: tuple[float, str] = (float("-inf"), "nothing yet")
+        """When (``time.monotonic``, on receipt) and what the worker last marked."""
         self.process = ctx.Process(target=_worker_main, args=(spec, worker_end, self.queue, self.stop),
                                    name=f"agentopsd-rollout-{spec.rank}", daemon=True)
         self.process.start()
@@ -408,7 +462,11 @@ class AsyncRollout:
         # own exit handler would wait for it (that handler's SIGTERM is one the worker ignores)
         atexit.register(self.close)
         # the worker's one full sync: every parameter, into the policy it built (under FSDP2 every rank gathers here)
-        self.publish(model, spec.start)
+        try:
+            self.publish(model, spec.start)
+        except BaseException:
+            self.close()  # a producer that failed to start leaves no worker behind
+            raise
 
     def publish(self, model: nn.Module, version: int) -> None:
         """The weights after ``version`` updates, for the turns played from now on, streamed in bounded buckets. Returns
@@ -423,21 +481,23 @@ class AsyncRollout:
     def next_batch(self, iteration: int, stop_requested: Callable[[], bool]) -> tuple[list[Trajectory], dict[str, float]] | None:
         """Iteration ``iteration``'s trajectories and the worker's rollout metrics; None when the worker stopped for a
         stop this process requested (``stop_requested``, checked while waiting). Raises :class:`RolloutWorkerError`
-        when the worker failed or died."""
+        when the worker failed, died, did not join the weight transfer group in time, or made no progress for
+        ``rollout.worker_stall_seconds``."""
         if iteration != self.next_iteration:
             raise RuntimeError(f"the rollout producer is at iteration {self.next_iteration}, the trainer asked for {iteration}: "
                                "iterations must be taken in order")
+        waiting_since = time.monotonic()
         while True:
             if stop_requested() and not self.stop.is_set():
                 self.stop.set()  # the worker abandons its episodes between turns
             try:
                 kind, index, payload, extra = self.queue.get(timeout=POLL_SECONDS)
-                break
             except queue.Empty:
-                if not self.process.is_alive():
-                    raise RolloutWorkerError(
-                        f"rollout worker of rank {self.spec.rank} (pid {self.process.pid}) exited with code "
-                        f"{self.process.exitcode} before iteration {iteration}'s episodes arrived") from None
+                self._check_alive(iteration, waiting_since)
+                continue
+            if kind != "progress":
+                break
+            self.progress = (time.monotonic(), payload)
         if kind == "error":
             log.error("rollout worker of rank %d failed at iteration %d:\n%s", self.spec.rank, index, extra)
             raise RolloutWorkerError(f"rollout worker of rank {self.spec.rank} failed at iteration {index}: {payload}")
@@ -447,6 +507,25 @@ class AsyncRollout:
             raise RuntimeError(f"the rollout worker sent iteration {index} where {iteration} was due")
         self.next_iteration += 1
         return payload, extra
+
+    def _check_alive(self, iteration: int, waiting_since: float) -> None:
+        """While waiting for ``iteration``: raise :class:`RolloutWorkerError` when the worker died, its weight transfer
+        group failed to start, or it made no progress within ``rollout.worker_stall_seconds``."""
+        if not self.process.is_alive():
+            raise RolloutWorkerError(
+                f"rollout worker of rank {self.spec.rank} (pid {self.process.pid}) exited with code "
+                f"{self.process.exitcode} before iteration {iteration}'s episodes arrived") from None
+        if self.sender is not None:
+            try:
+                self.sender.connected()
+            except WeightTransferError as err:
+                raise RolloutWorkerError(f"rollout worker of rank {self.spec.rank}: {err}") from None
+        stalled = stalled_for(time.monotonic(), waiting_since, self.progress[0])
+        if stalled > self.stall_seconds:
+            raise RolloutWorkerError(
+                f"rollout worker of rank {self.spec.rank} (pid {self.process.pid}) made no progress for {stalled:.0f}s "
+                f"while the trainer waited for iteration {iteration} (last: {self.progress[1]}): raise "
+                f"rollout.worker_stall_seconds={self.stall_seconds:g} if it is only slow")
 
     def close(self) -> None:
         """End the worker: between turns when it can, killed after :data:`CLOSE_SECONDS` otherwise."""

@@ -96,11 +96,14 @@ def make_collector(env: EnvConfig, generator: Generator, prompts: PromptBuilder,
 def engine_sync(generator: Generator, model: nn.Module, step: int) -> None:
     """The generator's weights made the policy's (``step``: iterations done, so a vLLM engine skips a sync of
     the weights it already holds). Before a sleeping engine wakes, the gradients are dropped and PyTorch's
-    cached blocks released (:func:`agentopsd.rollout.base.release_device_cache`), so the engine finds the memory the update held."""
+    cached blocks released (:func:`agentopsd.rollout.base.release_device_cache`), so the engine finds the memory the update held.
+    An engine awake (a rollout worker's, which never sleeps, before each turn) handed nothing back: no cache to empty,
+    and emptying it would be a device-wide synchronisation per call."""
     if hasattr(generator, "sleep"):  # the vLLM engine: gradients go before it wakes; weights named by step
         for p in model.parameters():
             p.grad = None
-        base.release_device_cache()
+        if getattr(generator, "asleep", False):
+            base.release_device_cache()
         generator.sync_weights(model, step=step)
     else:
         generator.sync_weights(model)

@@ -67,6 +67,8 @@ class Placement:
     """The policy is sharded (FSDP2): no whole copy of the weights exists on one rank."""
     loader: object = None
     """The training loader (the task stream a worker plays ahead of)."""
+    per_node: int | None = None
+    """The strategy's processes per node (Lightning's devices per node): which ``rollout.devices`` entry is whose."""
 
 
 class LockstepRollouts:
@@ -238,7 +240,7 @@ class AheadRollouts(LockstepRollouts):
                           device=str(at.device),  # a GPU rank's worker generates on that rank's GPU
                           # rollout.backend=vllm: the worker runs its own engine on model.path; the evaluation keeps its
                           # lockstep collector here, so this process builds a second engine when it evaluates
-                          model_path=s.model_path, weights_as_loaded=s.weights_as_loaded,
+                          model_path=s.model_path, weights_as_loaded=s.weights_as_loaded, per_node=at.per_node,
                           # the worker builds its own policy in this dtype; under FSDP2 each rank gathers whole tensors
                           dtype=worker_dtype(str(at.device), s.generation_dtype, _floating_dtype(at.model)))
         self.worker = AsyncRollout(spec, at.model)

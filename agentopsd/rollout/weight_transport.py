@@ -51,12 +51,18 @@ import torch
 from torch import nn
 
 TRANSFER_SECONDS = 120.0
-"""Longest wait for one publish's broadcasts (and for the private group's rendezvous) before it fails."""
+"""Longest wait for one publish's broadcasts before it fails."""
 BUCKET_BYTES = 256 * 2**20
 """The largest bucket the collective sends: big enough that a broadcast's fixed cost is small beside its bytes (a
 7B model in bf16 is about 60 of them), small beside a GPU's memory, which holds one on each end during a publish."""
 SHARED_BUCKET_BYTES = 16 * 2**20
 """The shared-memory transport's one bucket: well inside a container's default 64 MB ``/dev/shm``."""
+CONNECT_SECONDS = 1800.0
+"""Longest wait for the worker to join the private group (its handshake done), counted from ``connect``; the producer
+passes ``rollout.worker_stall_seconds``."""
+GROUP_TIMEOUT_FACTOR = 2.0
+"""The private group's own timeout (gloo's, NCCL's watchdog) is this many times the longest Python-side deadline: the
+Python side sees a hang first and fails in one line, before the watchdog aborts the process."""
 SENTINEL = -1
 """The version that tells the receiver to end."""
 TRANSPORTS = ("auto", "shared_memory", "collective")
@@ -98,11 +104,18 @@ def local_rank(rank: int, env: dict[str, str] | None = None) -> int:
     return int(value) if value not in (None, "") else rank
 
 
-def local_world(world: int, env: dict[str, str] | None = None) -> int:
-    """The processes on this node: ``LOCAL_WORLD_SIZE`` when set, else the world (one node)."""
+def local_world(world: int, env: dict[str, str] | None = None, per_node: int | None = None) -> int:
+    """The processes on this node: ``LOCAL_WORLD_SIZE`` when set (torchrun), else ``per_node`` (the strategy's
+    processes per node: Lightning's own launcher and SLURM set no ``LOCAL_WORLD_SIZE``), else SLURM's
+    ``SLURM_NTASKS_PER_NODE`` (``2`` or ``2(x3)``), else the world (one node)."""
     env = os.environ if env is None else env
     value = env.get("LOCAL_WORLD_SIZE")
-    return int(value) if value not in (None, "") else world
+    if value not in (None, ""):
+        return int(value)
+    if per_node:
+        return int(per_node)
+    slurm = (env.get("SLURM_NTASKS_PER_NODE") or "").split("(", 1)[0].split(",", 1)[0]
+    return int(slurm) if slurm.isdigit() else world
 
 
 def check_devices_setting(devices: object, max_staleness: int, transport: str) -> list[int] | None:
@@ -129,9 +142,11 @@ def check_devices_setting(devices: object, max_staleness: int, transport: str) -
 
 
 def check_devices_at_start(devices: Sequence[int] | None, transport: str, trainer_device: str, rank: int, world: int,
-                           visible_gpus: int | None, env: dict[str, str] | None = None) -> int | None:
+                           visible_gpus: int | None, env: dict[str, str] | None = None,
+                           per_node: int | None = None) -> int | None:
     """Producer-start checks, where the trainer's device and ranks are known; this rank's rollout GPU (an index into
-    the trainer's visible devices), or None when the worker stays beside the trainer."""
+    the trainer's visible devices), or None when the worker stays beside the trainer. ``per_node``: the strategy's
+    processes per node (:func:`local_world`)."""
     on_cuda = trainer_device.startswith("cuda")
     if transport == "collective" and on_cuda and not devices:
         raise ValueError("rollout.weight_transport=collective on a GPU needs rollout.devices (NCCL cannot connect two "
@@ -141,7 +156,7 @@ def check_devices_at_start(devices: Sequence[int] | None, transport: str, traine
     if not on_cuda:
         raise ValueError(f"rollout.devices needs the trainer on CUDA (it is on {trainer_device}): drop rollout.devices, "
                          "or train on GPUs (trainer.accelerator=gpu)")
-    count = local_world(world, env)
+    count = local_world(world, env, per_node)
     if len(devices) != count:
         raise ValueError(f"rollout.devices lists {len(devices)} GPUs for {count} training processes on this node: list "
                          "one rollout GPU per local rank")
@@ -285,9 +300,16 @@ def _broadcast_options() -> object:
     return opts
 
 
+def group_timeout(*deadlines: float) -> float:
+    """The private group's own timeout: longer than every Python-side deadline polled on it (see
+    :data:`GROUP_TIMEOUT_FACTOR`)."""
+    return GROUP_TIMEOUT_FACTOR * max(deadlines)
+
+
 def private_group(store, rank: int, backend: str, timeout: float):
     """A process group of two (trainer 0, worker 1) on its own store: collectives here never mix with the training's.
-    Gloo's constructor waits for the other member (the rendezvous); NCCL connects at the first collective."""
+    Gloo's constructor waits for the other member (the rendezvous); NCCL connects at the first collective, which
+    :func:`handshake` makes happen at once. ``timeout``: the group's own (:func:`group_timeout`)."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(STORE_PREFIX, store)
@@ -297,6 +319,15 @@ def private_group(store, rank: int, backend: str, timeout: float):
         opts._timeout = delta
         return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
     return dist.ProcessGroupGloo(prefixed, rank, 2, delta)
+
+
+def handshake(group, device: str) -> None:
+    """One one-element broadcast, waited for: the group is up at both ends (NCCL's communicator starts here, not
+    inside the first publish's broadcast, where a worker dead before it would leave the trainer in its init)."""
+    probe = torch.ones(1, device=device)
+    group.broadcast([probe], _broadcast_options()).wait()
+    if probe.is_cuda:  # GPU only: never ran here; NCCL's wait only orders the current stream
+        torch.cuda.current_stream(probe.device).synchronize()
 
 
 def _free_store(timeout: float):
@@ -366,6 +397,7 @@ class CollectiveReceiver:
             torch.cuda.set_device(device)
         self._store = dist.TCPStore("127.0.0.1", self.port, 2, False, timeout=datetime.timedelta(seconds=self.timeout))
         self._group = private_group(self._store, 1, self.backend, self.timeout)
+        handshake(self._group, device)  # the trainer's connect waits for this, with its deadline
         self._received = 0
         self.closed = False
 
@@ -402,44 +434,70 @@ class CollectiveSender:
     at most ``max_bytes``, in the worker's dtype (the first publish: every parameter; later ones: the trainable)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, trainer_device: str, worker_device: str,
-                 timeout: float | None = None, max_bytes: int = BUCKET_BYTES) -> None:
+                 timeout: float | None = None, max_bytes: int = BUCKET_BYTES, connect_timeout: float | None = None) -> None:
         self.timeout = TRANSFER_SECONDS if timeout is None else timeout
+        self.connect_timeout = CONNECT_SECONDS if connect_timeout is None else connect_timeout
         self.full, self.trainable = wire_layout(model, dtype, full=True), wire_layout(model, dtype, full=False)
         self.max_bytes = max_bytes
         self.backend = collective_backend(trainer_device, worker_device)
         # gloo sends CPU tensors; NCCL the trainer's own CUDA ones
         self.device = trainer_device if self.backend == "nccl" else "cpu"
-        self.store = _free_store(self.timeout)
-        self.receiver = CollectiveReceiver(self.full, self.trainable, self.store.port, self.backend, self.timeout,
+        # the store and the group outlast every deadline polled here: a hang fails in Python first, in one line
+        self.group_timeout = group_timeout(self.timeout, self.connect_timeout)
+        self.store = _free_store(self.group_timeout)
+        self.receiver = CollectiveReceiver(self.full, self.trainable, self.store.port, self.backend, self.group_timeout,
                                            max_bytes)
         self.count = 0
         self.broken = False
         self._group = None
         self._group_error: BaseException | None = None
         self._connector: threading.Thread | None = None
+        self._connect_deadline = float("inf")
 
     def connect(self) -> None:
-        """Join the private group in a thread (gloo's rendezvous waits for the worker, which is still starting)."""
+        """Start the private group in a thread (gloo's rendezvous waits for the worker, which is still starting), and
+        prove it with one small broadcast (:func:`handshake`); :meth:`connected` tells how that went."""
 
         def build() -> None:
             try:
                 if self.backend == "nccl":
                     torch.cuda.set_device(self.device)
-                self._group = private_group(self.store, 0, self.backend, self.timeout)
-            except BaseException as err:  # noqa: BLE001  (reported by the next publish)
+                group = private_group(self.store, 0, self.backend, self.group_timeout)
+                handshake(group, self.device)
+                self._group = group  # only once both ends have taken part in a collective
+            except BaseException as err:  # noqa: BLE001  (reported by connected())
                 self._group_error = err
 
+        self._connect_deadline = time.monotonic() + self.connect_timeout
         self._connector = threading.Thread(target=build, name="agentopsd-weight-sender", daemon=True)
         self._connector.start()
 
-    def _wait(self, done: Callable[[], bool], alive: Callable[[], bool], what: str) -> bool:
-        """Poll ``done`` until it holds (True), the worker dies (False), or the deadline passes (raises)."""
-        deadline = time.monotonic() + self.timeout
+    def connected(self) -> bool:
+        """Never blocks: whether the worker has joined the private group. Raises :class:`WeightTransferError` when the
+        group failed, or when the worker has not joined within ``connect_timeout`` of :meth:`connect`."""
+        if self._group_error is not None:
+            self.broken = True
+            raise WeightTransferError(f"the weight transfer group failed: {type(self._group_error).__name__}: "
+                                      f"{str(self._group_error).splitlines()[0] if str(self._group_error) else ''}")
+        if self._group is not None:
+            return True
+        if self._connector is not None and time.monotonic() > self._connect_deadline:
+            self.broken = True
+            raise WeightTransferError(f"the rollout worker did not join the weight transfer group within "
+                                      f"{self.connect_timeout:.0f}s (rollout.worker_stall_seconds bounds it): it is stuck "
+                                      "starting, or its end of the group is")
+        return False
+
+    def _wait(self, done: Callable[[], bool], alive: Callable[[], bool], what: str, deadline: float | None = None) -> bool:
+        """Poll ``done`` until it holds (True), the worker dies (False), or the deadline passes (raises): ``deadline``
+        (a ``time.monotonic`` instant), else :attr:`timeout` from now."""
+        start = time.monotonic()
+        deadline = start + self.timeout if deadline is None else deadline
         while not done():
             if not alive():
                 return False
             if time.monotonic() > deadline:
-                raise WeightTransferError(f"the rollout worker took over {self.timeout:.0f}s to {what}")
+                raise WeightTransferError(f"the rollout worker took over {deadline - start:.0f}s to {what}")
             time.sleep(0.002)
         return True
 
@@ -452,7 +510,8 @@ class CollectiveSender:
         if not self.broken:
             if self._connector is None:
                 self.connect()
-            if not self._wait(lambda: not self._connector.is_alive(), alive, "join the weight transfer group"):
+            # connected() raises past its own deadline (counted from connect), before this wait's
+            if not self._wait(self.connected, alive, "join the weight transfer group", deadline=float("inf")):
                 self.broken = True
             elif self._group_error is not None:
                 self.broken = True
@@ -463,7 +522,10 @@ class CollectiveSender:
                 # the worker takes it between turns: wait for that before the first gather, so that under FSDP2 the
                 # other ranks wait in a gather for the transfer only
                 ready = READY.format(self.count)
-                if self._wait(lambda: self.store.check([ready]), alive, f"take weight version {version}"):
+                # a turn in flight (or, for the first publish, the worker's start) may be slow: the stall deadline
+                if self._wait(lambda: self.store.check([ready]), alive, f"be between turns and take weight version "
+                              f"{version} (rollout.worker_stall_seconds bounds this wait: stuck, or only slow)",
+                              deadline=time.monotonic() + self.connect_timeout):
                     self.store.delete_key(ready)
                 else:
                     self.broken = True

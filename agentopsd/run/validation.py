@@ -49,6 +49,7 @@ def validate_config(cfg: DictConfig) -> None:
     _check_settings(cfg)
     _check_update_numerics(cfg)
     _check_rollout_backend(cfg)
+    _check_rollout_workers(cfg)
     _check_colocated_async_engine(cfg)
     _check_evaluation_size(cfg)
     _check_precision(cfg)
@@ -167,6 +168,48 @@ def _check_colocated_async_engine(cfg: DictConfig) -> None:
     problem = colocated_async_engine_problem(cfg)
     if problem:
         raise ConfigError(problem)
+
+
+def _training_gpus(devices: object) -> list[int] | None:
+    """The GPU indices ``trainer.devices`` trains on, per node, where the config alone says: ``N`` (the first N) or a
+    list; None for ``auto``, ``-1`` or a string (known only once the strategy starts)."""
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int):
+        return list(range(devices)) if devices > 0 else None
+    if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        return None
+    return [int(d) for d in devices]
+
+
+def _check_rollout_workers(cfg: DictConfig) -> None:
+    """Where the rollout workers run (``rollout.devices``, ``rollout.weight_transport``) against the trainer's devices:
+    the producer would otherwise refuse these at the first training rollout, after loading, sharding, the engine's
+    start and the first evaluation."""
+    rollout, trainer = cfg.rollout, cfg.trainer
+    if int(rollout.get("max_staleness") or 0) < 1:
+        return  # RolloutConfig refuses rollout.devices and the collective transport without a worker
+    from agentopsd.rollout.weight_transport import resolve_transport
+
+    devices = [int(d) for d in (rollout.get("devices") or [])]
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if devices and accelerator == "cpu":
+        raise ConfigError(f"rollout.devices={devices} needs the trainer on GPUs and trainer.accelerator=cpu: drop "
+                          "rollout.devices, or train on GPUs (trainer=gpu or trainer=ddp)")
+    transport = resolve_transport(str(rollout.get("weight_transport", "auto")), devices)
+    if transport == "collective" and accelerator in ("gpu", "cuda") and not devices:
+        raise ConfigError("rollout.weight_transport=collective on GPUs needs rollout.devices (NCCL cannot connect two "
+                          "processes on one GPU): set rollout.devices, or rollout.weight_transport=shared_memory")
+    training = _training_gpus(trainer.get("devices"))
+    if not devices or training is None:
+        return
+    if len(devices) != len(training):
+        raise ConfigError(f"rollout.devices={devices} lists {len(devices)} GPUs for {len(training)} training processes per "
+                          f"node (trainer.devices={trainer.get('devices')}): list one rollout GPU per local rank")
+    shared = sorted(set(devices) & set(training))
+    if shared:
+        raise ConfigError(f"rollout.devices={devices} shares GPU {shared[0]} with the training (trainer.devices="
+                          f"{trainer.get('devices')}): give the rollout workers GPUs the training does not use")
 
 
 def _check_evaluation_size(cfg: DictConfig) -> None:

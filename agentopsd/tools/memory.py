@@ -28,7 +28,7 @@ What it counts, per GPU (bytes; printed in GiB):
 - the weight sync's temporary memory: two full tensors of the largest weight in the dtype they travel in
   (the one being gathered and the one the engine is loading);
 - with ``rollout.max_staleness`` >= 1, each rank's rollout worker (:mod:`agentopsd.tools.worker_memory`): its bf16
-  policy copy, its engine (never asleep) and its weight-staging buckets (``--staging-bucket-mib``, 2 x 512 MiB by
+  policy copy, its engine (never asleep) and its weight-staging bucket (``--staging-bucket-mib``, one of 256 MiB by
   default), on the trainer's GPU beside every phase when ``rollout.devices`` is unset, else in a plan of its own
   GPU; the report then ends with one line per GPU of a node.
 
@@ -567,7 +567,7 @@ def _local_gpus(trainer: DictConfig | dict) -> tuple[int, ...]:
 def plan_memory(cfg: DictConfig, gpu_memory_gib: float | None = None,
                 staging_bucket_bytes: int = STAGING_BUCKET_BYTES) -> MemoryPlan:
     """The per-GPU memory plan of the composed config ``cfg`` (reads it only: nothing is loaded).
-    ``staging_bucket_bytes``: the cap of an asynchronous worker's weight-staging bucket (two in flight)."""
+    ``staging_bucket_bytes``: the cap of an asynchronous worker's weight-staging bucket (one, reused)."""
     from agentopsd.rollout.scoring import SCORING_HEAD_POSITIONS, SCORING_ROWS_TOKENS
 
     model_cfg, trainer = cfg.model, cfg.trainer
@@ -815,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="plan for this much GPU memory per device")
     parser.add_argument("--config-dir", default=None, help="the Hydra config folder (default: the repository's conf/)")
     parser.add_argument("--staging-bucket-mib", type=float, default=STAGING_BUCKET_BYTES / 2**20,
-                        help="rollout.max_staleness >= 1: the cap of one of the worker's two weight-staging buckets")
+                        help="rollout.max_staleness >= 1: the cap of the worker's one weight-staging bucket")
     args, overrides = parser.parse_known_args(argv)
     plan = plan_memory(compose_config(overrides, args.config_dir), args.gpu_memory_gib,
                        staging_bucket_bytes=int(args.staging_bucket_mib * 2**20))

@@ -8,8 +8,9 @@ Where it lives: beside its trainer rank on the trainer's GPU when ``rollout.devi
   not a copy of the float32 master weights);
 - its engine: vLLM's share (``rollout.vllm.gpu_memory_utilization`` x the GPU's memory; the worker's engine never
   sleeps), or transformers' KV cache for the rows it generates at once, one prefill chunk and one decode step's logits;
-- its weight staging: :data:`STAGING_BUCKETS` buckets of at most ``bucket_bytes`` (:data:`STAGING_BUCKET_BYTES` by
-  default, 2 x 512 MiB), each at least the largest weight (a tensor larger than the cap travels alone);
+- its weight staging: one reused receive bucket of at most ``bucket_bytes`` (:data:`STAGING_BUCKET_BYTES` by
+  default, the collective push's 256 MiB; the shared-memory push's is 16 MiB): a tensor larger than the bucket travels
+  in pieces, copied straight into the policy;
 - its CUDA context, caching-allocator slack (and NCCL buffers under the collective push):
   :data:`agentopsd.tools.memory.RUNTIME_MARGIN_BYTES`, an estimate.
 
@@ -27,10 +28,11 @@ from agentopsd.tools.architecture import Architecture
 MIB = 2**20
 WORKER_DTYPE = "bfloat16"
 """The dtype of the worker's policy copy on a GPU (the generation dtype: bf16, as the peers' engines load)."""
-STAGING_BUCKET_BYTES = 512 * MIB
-"""The cap of one weight-staging bucket the plan assumes (``bucket_bytes`` overrides it)."""
-STAGING_BUCKETS = 2
-"""Buckets in flight at once: the one being received and the one being loaded."""
+STAGING_BUCKET_BYTES = 256 * MIB
+"""The cap of the worker's receive bucket the plan assumes (``bucket_bytes`` overrides it): the collective push's
+``agentopsd.rollout.weight_transport.BUCKET_BYTES`` (a test keeps the two equal; this module stays free of torch)."""
+STAGING_BUCKETS = 1
+"""Buckets the worker holds at once: one, reused; each bucket's bytes are copied into the policy before the next."""
 HALF_BYTES = 2
 FLOAT32_BYTES = 4
 
@@ -66,11 +68,11 @@ class WorkerPlan:
         where = self.device
         engine = ("vLLM share (gpu_memory_utilization; never asleep)" if self.backend == "vllm" else
                   f"transformers KV cache, prefill chunk, decode logits ({self.generating_rows} rows)")
-        cap = f"{self.bucket_bytes / MIB:.0f} MiB cap"
+        cap = f"{self.bucket_bytes / MIB:.0f} MiB"
         return [
             (f"worker policy copy ({self.policy_dtype}), on {where}", self.policy_copy),
             (f"worker {engine}, on {where}", self.engine),
-            (f"worker weight staging ({STAGING_BUCKETS} buckets, {cap} or the largest weight), on {where}", self.staging),
+            (f"worker weight staging ({STAGING_BUCKETS} bucket, {cap} cap), on {where}", self.staging),
             (f"worker CUDA context, NCCL, fragmentation: an estimate, on {where}", self.margin),
         ]
 
@@ -86,14 +88,10 @@ def rollout_devices(cfg: DictConfig) -> list[int]:
     return [int(d) for d in devices] if devices else []
 
 
-def largest_weight(arch: Architecture) -> int:
-    """Elements of the largest single weight: the embedding (or LM head) or an MLP projection."""
-    return max(arch.vocab_size * arch.hidden_size, arch.intermediate_size * arch.hidden_size)
-
-
 def staging_bytes(arch: Architecture, bucket_bytes: int) -> int:
-    """:data:`STAGING_BUCKETS` buckets of ``bucket_bytes``, each at least the largest weight in the worker's dtype."""
-    return STAGING_BUCKETS * max(bucket_bytes, largest_weight(arch) * HALF_BYTES)
+    """:data:`STAGING_BUCKETS` buckets of ``bucket_bytes``, never more than the whole model in the worker's dtype (a
+    tensor larger than a bucket travels in pieces)."""
+    return STAGING_BUCKETS * min(bucket_bytes, arch.parameters * HALF_BYTES)
 
 
 def hf_engine_bytes(arch: Architecture, rows: int, sequence: int, prefill_chunk: int) -> int:

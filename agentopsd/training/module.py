@@ -186,7 +186,9 @@ class AgentRLModule(L.LightningModule):
 
     def _placement(self) -> Placement:
         loader = self.trainer.train_dataloader if self._trainer is not None else None
-        return Placement(self.model, self.iterations_done, self.device, self._sharded, loader)
+        # the processes of one node: Lightning's own launcher sets no LOCAL_WORLD_SIZE on several nodes
+        per_node = self.trainer.num_devices if self._trainer is not None else None
+        return Placement(self.model, self.iterations_done, self.device, self._sharded, loader, per_node)
 
     def on_after_batch_transfer(self, batch: object, dataloader_idx: int) -> object:
         # Runs right before the callbacks' on_train_batch_start: the rollout uses the weights

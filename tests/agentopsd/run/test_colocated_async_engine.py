@@ -26,7 +26,7 @@ def _problem(*overrides: str) -> str:
 
 
 def test_validate_config_refuses_the_3b_worker_engine_on_the_trainers_gpu_in_one_line(monkeypatch):
-    """The issue's case (alfworld_3b, DDP, one 80 GiB GPU, k = 1): 120.56 GiB in the update. Planted defect: the plan
+    """The issue's case (alfworld_3b, DDP, one 80 GiB GPU, k = 1): 119.65 GiB in the update. Planted defect: the plan
     without the worker says 79.65 GiB fits, and nothing is refused."""
     pytest.importorskip("alfworld")
     real = importlib.util.find_spec
@@ -35,7 +35,7 @@ def test_validate_config_refuses_the_3b_worker_engine_on_the_trainers_gpu_in_one
         validate_config(_resolve(cfg_for(*ONE_GPU_ASYNC)))
     message = str(err.value)
     assert "\n" not in message
-    assert "120.56 GiB" in message and "80.00 GiB" in message
+    assert "119.65 GiB" in message and "80.00 GiB" in message
     assert "rollout.devices=[...]" in message and "rollout.max_staleness=0" in message
 
 

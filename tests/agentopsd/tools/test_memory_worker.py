@@ -24,19 +24,19 @@ def _no_gpu(monkeypatch):
 
 def test_a_worker_beside_its_trainer_is_counted_in_every_phase_by_hand():
     """alfworld_3b under DDP on one 80 GiB GPU with k = 1: the lockstep plan says 79.65 GiB "fits"; the worker adds its
-    bf16 policy copy, vLLM's whole share (it never sleeps), two staging buckets (the 151,936 x 2,048 embedding in bf16,
-    594 MiB, is over the 512 MiB cap: it travels alone) and its own CUDA context, to every phase. Planted defect: the
+    bf16 policy copy, vLLM's whole share (it never sleeps), one 256 MiB receive bucket (the 594 MiB embedding travels
+    in pieces) and its own CUDA context, to every phase. Planted defect: the
     plan without the worker (the old one) fits in 79.65 GiB."""
     lockstep = plan_memory(compose_config(ALFWORLD_3B_DDP), gpu_memory_gib=80)
     plan = plan_memory(compose_config([*ALFWORLD_3B_DDP, "rollout.max_staleness=1"]), gpu_memory_gib=80)
     params = QWEN25["qwen/qwen2.5-3b"].parameters
-    staging = 2 * 151936 * 2048 * 2
-    assert staging > 2 * STAGING_BUCKET_BYTES
+    staging = 256 * MIB
+    assert STAGING_BUCKET_BYTES == staging
     worker = params * 2 + int(0.4 * 80 * GIB) + staging + RUNTIME_MARGIN_BYTES
     assert plan.worker is not None and not plan.worker.own_gpu
     assert plan.worker.total == plan.colocated_worker == worker
     assert {p: v - lockstep.phases[p] for p, v in plan.phases.items()} == dict.fromkeys(lockstep.phases, worker)
-    assert lockstep.total <= lockstep.gpu_memory < plan.total  # 79.65 GiB "fits"; 120.56 GiB with the worker
+    assert lockstep.total <= lockstep.gpu_memory < plan.total  # 79.65 GiB "fits"; 119.65 GiB with the worker
     assert not plan.fits
     report = plan.report()
     assert "worker vLLM share (gpu_memory_utilization; never asleep), on the trainer's GPU" in report
@@ -46,14 +46,14 @@ def test_a_worker_beside_its_trainer_is_counted_in_every_phase_by_hand():
 
 def test_the_7b_plan_with_rollout_gpus_plans_each_gpu():
     """The issue's command: trainer ranks on GPUs 0-3 as in lockstep (no worker there), each worker on GPUs 4-7 with its
-    policy copy, vLLM share and staging (the 152,064 x 3,584 embedding in bf16, over the cap)."""
+    policy copy, vLLM share and its 256 MiB receive bucket."""
     plan = plan_memory(compose_config(ALFWORLD_7B_ROLLOUT_GPUS), gpu_memory_gib=80)
     lockstep = plan_memory(compose_config(ALFWORLD_7B_ROLLOUT_GPUS[:2]), gpu_memory_gib=80)
     assert plan.phases == lockstep.phases and plan.colocated_worker == 0
     assert plan.trainer_gpus == (0, 1, 2, 3) and plan.worker_gpus == (4, 5, 6, 7)
     w = plan.worker
     assert w.own_gpu and w.policy_dtype == "bfloat16" and w.policy_copy == QWEN25["qwen/qwen2.5-7b"].parameters * 2
-    assert w.engine == int(0.4 * 80 * GIB) and w.staging == 2 * 152064 * 3584 * 2 and w.margin == RUNTIME_MARGIN_BYTES
+    assert w.engine == int(0.4 * 80 * GIB) and w.staging == 256 * MIB and w.margin == RUNTIME_MARGIN_BYTES
     report = plan.report()
     assert "memory plan per trainer GPU (GPUs 0, 1, 2, 3)" in report
     assert "memory plan per rollout worker GPU (GPUs 4, 5, 6, 7, rollout.devices)" in report
@@ -65,14 +65,15 @@ def test_the_7b_plan_with_rollout_gpus_plans_each_gpu():
 
 
 def test_the_staging_cap_is_a_parameter_and_a_flag(capsys):
-    """2 x 512 MiB by default; a larger cap counts two of it, a smaller one never less than the largest weight."""
+    """One 256 MiB bucket by default; another cap counts one of it (never more than the whole bf16 model)."""
     cfg = compose_config(["+experiment=alfworld_7b", "trainer.devices=4", "rollout.max_staleness=1", "rollout.devices=[4]"])
-    assert plan_memory(cfg, staging_bucket_bytes=2 * GIB).worker.staging == 4 * GIB
-    assert plan_memory(cfg, staging_bucket_bytes=1 * MIB).worker.staging == 2 * 152064 * 3584 * 2
+    assert plan_memory(cfg, staging_bucket_bytes=2 * GIB).worker.staging == 2 * GIB
+    assert plan_memory(cfg, staging_bucket_bytes=1 * MIB).worker.staging == 1 * MIB
+    assert plan_memory(cfg, staging_bucket_bytes=10**6 * GIB).worker.staging == QWEN25["qwen/qwen2.5-7b"].parameters * 2
     memory.main([*ALFWORLD_7B_ROLLOUT_GPUS, "--staging-bucket-mib", "2048", "--gpu-memory-gib", "80"])
     out = capsys.readouterr().out
-    assert "worker weight staging (2 buckets, 2048 MiB cap or the largest weight), on its own GPU" in out
-    assert "    4.00 GiB" in out
+    assert "worker weight staging (1 bucket, 2048 MiB cap), on its own GPU" in out
+    assert "    2.00 GiB" in out
 
 
 def test_a_transformers_worker_counts_its_kv_cache_for_the_rows_it_generates():
@@ -84,6 +85,12 @@ def test_a_transformers_worker_counts_its_kv_cache_for_the_rows_it_generates():
     assert w.backend == "hf" and w.generating_rows == 64
     kv = 64 * 2560 * 36 * 2 * 256 * 2
     assert w.engine == kv + 8192 * (2 * 2048 + 3 * 11008) * 2 + 64 * 151936 * 10
+
+
+def test_the_plans_bucket_is_the_one_the_push_sends():
+    from agentopsd.rollout.weight_transport import BUCKET_BYTES
+
+    assert STAGING_BUCKET_BYTES == BUCKET_BYTES
 
 
 def test_lockstep_plans_no_worker():
