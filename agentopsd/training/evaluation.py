@@ -40,7 +40,8 @@ class EpisodeOutcome:
 
 
 def evaluate_trajectories(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``eval/success``, ``eval/score``, ``eval/turns``, ``eval/success/type/<t>``, ``eval/success/horizon/<b>``."""
+    """``eval/success``, ``eval/score``, ``eval/turns``, ``eval/success/type/<t>``, ``eval/success/horizon/<b>``,
+    ``eval/success/expert_steps/<n>``."""
     return evaluate_outcomes([EpisodeOutcome.of(t) for t in trajectories])
 
 
@@ -49,6 +50,7 @@ def evaluate_outcomes(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     overall, score, turns = MeanMetric(), MeanMetric(), MeanMetric()
     by_type: dict[str, MeanMetric] = {}
     by_horizon: dict[str, MeanMetric] = {}
+    by_steps: dict[int, MeanMetric] = {}
     for t in outcomes:
         won = torch.tensor(float(t.success))
         overall.update(won)
@@ -56,6 +58,8 @@ def evaluate_outcomes(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
         turns.update(torch.tensor(float(t.turns)))
         by_type.setdefault(t.task_type, MeanMetric()).update(won)
         by_horizon.setdefault(horizon_bucket(t.expert_steps), MeanMetric()).update(won)
+        if t.expert_steps > 0:
+            by_steps.setdefault(t.expert_steps, MeanMetric()).update(won)
     if not outcomes:
         return {"eval/success": 0.0, "eval/episodes": 0.0}
     out = {
@@ -69,6 +73,10 @@ def evaluate_outcomes(outcomes: Sequence[EpisodeOutcome]) -> dict[str, float]:
     out.update({f"eval/success/horizon/{k}": float(m.compute()) for k, m in sorted(by_horizon.items())})
     # episodes per bucket: a rate over 2 episodes and one over 60 are not the same evidence
     out.update({f"eval/episodes/horizon/{k}": float(m.update_count) for k, m in sorted(by_horizon.items())})
+    # the exact path lengths too: success lost per extra expert turn is a slope over these (a bucket of 11-20 turns
+    # hides it), each weighted by its episodes
+    out.update({f"eval/success/expert_steps/{k}": float(m.compute()) for k, m in sorted(by_steps.items())})
+    out.update({f"eval/episodes/expert_steps/{k}": float(m.update_count) for k, m in sorted(by_steps.items())})
     return out
 
 
