@@ -213,18 +213,19 @@ def mc_iterations(iterations: int) -> list[int]:
     return sorted({1, iterations // 2 + 1})
 
 
-def credit_archive(out: Path, code: Path, run_dir: Path, iterations: int, mc_samples: int) -> Path:
+def credit_archive(out: Path, code: Path, run_dir: Path, iterations: int, mc_samples: int, mc_its: list[int] | None = None) -> Path:
     """What the credit-quality table needs of a finished run, kept under ``out/credit_data/<run>`` (committed: run
     folders are not, and the policies the Monte Carlo truth runs are gone with them): the run's config, its rollout
     shards xz-compressed (~25 KB an iteration against ~450 KB), and the ground truth computed now while the kept
     policies exist (the expert's paths, and ``mc_samples`` continuations per state at ``mc_iterations``), which
-    ``studies/credit_quality.py`` reads back instead of recomputing. Made once; an archive cut short is made again."""
+    ``studies/credit_quality.py`` reads back instead of recomputing. Made once; an archive cut short is made again.
+    ``mc_its`` replaces :func:`mc_iterations` (a real model's Monte Carlo truth costs too much for two iterations)."""
     import lzma
 
     dest = out / "credit_data" / run_dir.name
     if (dest / "done.json").is_file():
         return dest
-    its = mc_iterations(iterations)
+    its = mc_its or mc_iterations(iterations)
     cmd = [sys.executable, "studies/credit_quality.py", str(run_dir), "--no-rules", "--resamples", "10"]
     if mc_samples > 0:
         cmd += ["--mc-samples", str(mc_samples), "--mc-iterations", *map(str, its)]
