@@ -5,7 +5,7 @@
     python studies/arms.py --seeds 0 1 --iterations 2 --out /tmp/arms experiment=babyai_tiny   # a quick look
 
 Every run is ``train.py <overrides> algorithm=<arm's file> <arm's overrides> seed=S`` (default overrides:
-``+experiment=smollm2_keydoor``). Pairing: the runs of one seed load one warm start (trained once per seed, by a
+``experiment=smollm2_keydoor``). Pairing: the runs of one seed load one warm start (trained once per seed, by a
 one-iteration run whose evaluation before training is the warm start's, shared by every arm) through
 ``warm_start.weights``, and draw one task stream (the seed fixes it), so a difference between arms at a seed is the
 arms' alone. Each run evaluates greedily on the task's fixed list every ``evaluation.every_n_iterations``.
@@ -58,7 +58,7 @@ moves by at most 10%); ``agentopsd_wide`` the widest lever that keeps the sign (
 ``stepopsd`` the rule that keeps the evidence's own ordering best on SmolLM2 (pairwise accuracy 0.750 against the
 raw gap's 0.747 and AgentOPSD's 0.633, results/smollm2_paired). Any other arm name is a conf/algorithm file."""
 BASELINE = "grpo"
-DEFAULT_OVERRIDES = ["+experiment=smollm2_keydoor"]
+DEFAULT_OVERRIDES = ["experiment=smollm2_keydoor"]
 DIAGNOSTICS = ("rollout/success", "credit/evidence_outcome_corr", "credit/mean_abs_revision", "credit/multiplier_std")
 
 
