@@ -12,7 +12,8 @@ arms' alone. Each run evaluates greedily on the task's fixed list every ``evalua
 
 Resumable: a finished run is summarised in ``<out>/summaries/<arm>-s<seed>.json`` (committed; run folders are not)
 and never trained again; a run cut short goes on from its last checkpoint when the trained code is the same (else
-it starts over from the seed's warm start). After every run ``runs.csv`` and ``table.md`` are rewritten: per arm the
+it starts over from the seed's warm start). Every sitting trains the commit the first one pinned in ``<out>/commit.txt``
+(``--commit`` moves the pin), so that every arm of every seed trains one code. After every run ``runs.csv`` and ``table.md`` are rewritten: per arm the
 final greedy success and the area under the success curve, each arm minus GRPO as a paired difference with its 95%
 t interval and the Bonferroni interval over the comparisons to GRPO, and success by the expert's path length with
 the slope per extra turn.
@@ -93,6 +94,21 @@ def by_length(row: dict[str, float]) -> dict[int, tuple[float, float]]:
     prefix = "eval/success/expert_steps/"
     return {int(k[len(prefix):]): (v, row[f"eval/episodes/expert_steps/{k[len(prefix):]}"])
             for k, v in row.items() if k.startswith(prefix)}
+
+
+def study_commit(out: Path, requested: str | None) -> str:
+    """The commit every run of the study trains: pinned in ``<out>/commit.txt`` by its first sitting, so a study that
+    spans sittings trains one code for every arm and seed, whatever main has gained since (a speed-up that changes the
+    rounding would otherwise split a seed's arms across two codes). ``requested`` (``--commit``) moves the pin."""
+    pin = out / "commit.txt"
+    if requested is None and pin.exists():
+        return pin.read_text().strip()
+    commit = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{requested or 'HEAD'}^{{commit}}"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    if not commit:
+        raise SystemExit(f"--commit {requested}: not a commit of this repository; give a hash from git log")
+    pin.write_text(commit + "\n")
+    return commit
 
 
 def warm(out: Path, code: Path, seed: int, overrides: list[str]) -> tuple[Path, dict]:
@@ -310,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "smollm2_keydoor")
     parser.add_argument("--table-only", action="store_true", help="rewrite the tables from the summaries, train nothing")
+    parser.add_argument("--commit", default=None,
+                        help="train this commit's code and pin it for later sittings (default: the pinned one, else HEAD)")
     parser.add_argument("--code", type=Path, default=None,
                         help="train from this checkout instead of an export of HEAD (e.g. . for uncommitted edits)")
     parser.add_argument("--mc-seeds", nargs="*", default=["0-2"],
@@ -329,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     seeds = parse_seeds(args.seeds)
     mc_seeds = set(parse_seeds(args.mc_seeds)) if args.mc_seeds else set()
-    commit = head_commit()
+    commit = head_commit() if args.code else study_commit(args.out, args.commit)
     code = args.code.resolve() if args.code else export_code(commit, Path(os.environ.get("TMPDIR", "/tmp")) / "arms_src")
     identity = code_identity(commit)
     if args.code:

@@ -30,6 +30,20 @@ def _summary(arm: str, seed: int, curve: list[float], lengths: dict[str, list[fl
             "wall_s": 1.0, "resumed": 0, "peak_rss_mb": 10.0, "evals": evals, "diagnostics": {}}
 
 
+def test_the_first_sitting_pins_the_commit_and_later_sittings_train_it(arms, tmp_path: Path) -> None:
+    # a study spans sittings while main moves on: every arm of every seed must train one code
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert arms.study_commit(tmp_path, None) == head
+    assert (tmp_path / "commit.txt").read_text().strip() == head
+    earlier = "0" * 40  # as if main had moved on since the first sitting (the pin is read, not resolved)
+    (tmp_path / "commit.txt").write_text(earlier + "\n")
+    assert arms.study_commit(tmp_path, None) == earlier
+    assert arms.study_commit(tmp_path, "HEAD") == head  # --commit moves the pin
+    assert arms.study_commit(tmp_path, None) == head
+    with pytest.raises(SystemExit, match="not a commit"):
+        arms.study_commit(tmp_path, "no-such-commit")
+
+
 def test_area_under_the_curve_is_the_mean_success_over_the_run(arms) -> None:
     # 0 -> 0.5 -> 1.0 at iterations 0, 2, 4: trapezoids (0.5 + 1.5) / 2 / 4 * 2 = 0.5
     assert arms.auc({"0": {"success": 0.0}, "2": {"success": 0.5}, "4": {"success": 1.0}}) == pytest.approx(0.5)
