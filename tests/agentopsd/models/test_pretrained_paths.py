@@ -241,7 +241,17 @@ agree with (without them a model folder would play the quickstart's environment,
 PLAN_TOLERANCE = 4.0
 """The memory plan counts a GPU's worst case: every row padded to env.max_prompt_tokens + rollout.max_new_tokens
 (1040 tokens; these rows are about 250), LoRA's gradients and AdamW states as if every weight trained, and a 2 GiB
-CUDA estimate. It must never count less than the process's peak RSS, and not more than this many times it."""
+CUDA estimate. It must never count less than the process's peak RSS, and not more than this many times it on a CPU
+that runs float32."""
+
+
+def plan_tolerance(flags: frozenset[str]) -> float:
+    """:data:`PLAN_TOLERANCE` for a CPU with ``flags``. Where ``model.dtype=auto`` finds native bf16 the run keeps
+    LoRA's frozen base and its forwards in bf16, half the bytes the plan counts (it does not probe the processor and
+    counts float32, an upper bound): measured on such a CPU, 14.59 GiB planned against a 3.55 GiB peak (4.1x)."""
+    from agentopsd.training.precision import native_bf16
+
+    return PLAN_TOLERANCE * (2 if native_bf16(flags) else 1)
 
 
 def run_measured(cmd: list[str], timeout: float) -> tuple[int, str, float, float]:
@@ -337,4 +347,6 @@ def test_smollm2_one_short_lora_iteration_end_to_end_then_its_export_evaluates_t
     plan = planned_gib(*SHORT_RUN, LORA_R8, f"model.path={smollm2_dir}")
     measured = rss / 1024
     print(f"memory plan {plan:.2f} GiB, measured peak RSS {measured:.2f} GiB: {plan / measured:.1f}x")
-    assert measured <= plan <= PLAN_TOLERANCE * measured
+    from agentopsd.training.precision import read_cpu_flags
+
+    assert measured <= plan <= plan_tolerance(read_cpu_flags()) * measured
