@@ -101,6 +101,14 @@ def test_plus_experiment_spelling_is_accepted():
     assert _accept_plus_experiment(["train.py", "+experiment=webshop_3b", "seed=1"]) == ["train.py", "experiment=webshop_3b", "seed=1"]
 
 
+def test_tools_composing_like_train_py_take_plus_experiment_too():
+    """studies/hint_table.py and agentopsd-eval compose through eval_cli.compose: ``+experiment=`` works there too."""
+    from agentopsd.tools.eval_cli import compose
+
+    cfg = compose(["+experiment=babyai_tiny", "seed=3"])
+    assert cfg.hydra.runtime.choices.experiment == "babyai_tiny" and cfg.seed == 3
+
+
 @pytest.mark.parametrize(
     "override, field",
     [

@@ -72,7 +72,9 @@ def split_args(argv: list[str]) -> tuple[list[str], dict[str, str]]:
 
 def compose(overrides: list[str]):
     """The config ``train.py`` would compose from the same overrides (hydra node set, as in a run). A composition
-    error (a typo'd key or option) raises :class:`ConfigError` in one line (:func:`agentopsd.run.composition.explain`)."""
+    error (a typo'd key or option) raises :class:`ConfigError` in one line (:func:`agentopsd.run.composition.explain`).
+    ``+experiment=X`` means ``experiment=X``, as in train.py, so every tool composing through here takes the README's
+    spelling."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -82,9 +84,10 @@ def compose(overrides: list[str]):
 
     from agentopsd.run import folders as runs
     from agentopsd.run.composition import explain
-    from agentopsd.run.train import CONF_DIR
+    from agentopsd.run.train import CONF_DIR, _accept_plus_experiment
     from agentopsd.run.validation import ConfigError
 
+    overrides = _accept_plus_experiment(list(overrides))
     runs.register_resolvers()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
