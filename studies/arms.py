@@ -200,6 +200,13 @@ def recorded(out: Path, arm: str, seed: int, iterations: int) -> dict | None:
     return done if done and done["iterations"] == iterations else None
 
 
+def unpaired(out: Path, seed: int, digest: str) -> list[str]:
+    """The finished runs of ``seed`` that started from another warm start than ``digest`` (``warm/`` is not committed:
+    a later sitting on a fresh checkout retrains it, which gives the same bytes only on the same kind of processor at
+    one thread); the tables leave them out of every pair."""
+    return sorted(p.stem for p in (out / "summaries").glob(f"*-s{seed}.json") if json.loads(p.read_text())["warm"] != digest)
+
+
 def prune(run_dir: Path) -> None:
     """A summarised and archived run keeps its logs and drops its weights (a SmolLM2 checkpoint is ~330 MB)."""
     for path in [*(run_dir / "checkpoints").glob("*.ckpt"), *(run_dir / "checkpoints").glob("policy-*.pt")]:
@@ -369,6 +376,12 @@ def main(argv: list[str] | None = None) -> None:
             if summary is None:
                 with seed_locks[seed]:  # the first run of a seed makes its warm start, the others wait
                     weights, before = warm(args.out, code, seed, overrides)
+                    stale = unpaired(args.out, seed, before["warm"])
+                    if stale:
+                        print(f"warning: seed {seed}'s warm start {before['warm']} is not the one {', '.join(stale)} "
+                              "started from, so the tables pair none of them with this sitting's runs; restore "
+                              f"{args.out / 'warm' / f's{seed}'} from the machine that made it, or move those summaries "
+                              "aside to rerun them", file=sys.stderr, flush=True)
                 summary = run_arm(args.out, code, commit, identity, arm, seed, args.iterations, overrides, weights, before, mc)
             run_dir = args.out / "runs" / f"{arm}-s{seed}"
             if arm != BASELINE and run_dir.exists():  # the arms that log the evidence: their instrument's data

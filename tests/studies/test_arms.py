@@ -44,6 +44,16 @@ def test_the_first_sitting_pins_the_commit_and_later_sittings_train_it(arms, tmp
         arms.study_commit(tmp_path, "no-such-commit")
 
 
+def test_runs_from_another_warm_start_are_named(arms, tmp_path: Path) -> None:
+    # a fresh checkout retrains warm/; if its bytes differ, the runs already summarised silently drop out of the pairs
+    (tmp_path / "summaries").mkdir()
+    for arm, seed, warm in [("grpo", 0, "old"), ("agentopsd", 0, "new"), ("grpo", 1, "old"), ("grpo", 10, "old")]:
+        (tmp_path / "summaries" / f"{arm}-s{seed}.json").write_text(json.dumps(_summary(arm, seed, [0.1, 0.5], {}, warm)))
+    assert arms.unpaired(tmp_path, 0, "new") == ["grpo-s0"]
+    assert arms.unpaired(tmp_path, 1, "old") == []
+    assert arms.unpaired(tmp_path, 2, "new") == []
+
+
 def test_area_under_the_curve_is_the_mean_success_over_the_run(arms) -> None:
     # 0 -> 0.5 -> 1.0 at iterations 0, 2, 4: trapezoids (0.5 + 1.5) / 2 / 4 * 2 = 0.5
     assert arms.auc({"0": {"success": 0.0}, "2": {"success": 0.5}, "4": {"success": 1.0}}) == pytest.approx(0.5)
