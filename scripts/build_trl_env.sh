@@ -20,14 +20,18 @@ PYTHON="${PYTHON:-python3}"
 # do not clash with the project's, the extra packages are what keeps it out of .venv.
 TRL_SPEC="trl==1.16.0"
 TORCH_SPEC="torch==2.13.0"
-# The transformers of .venv when there is one: generation and attention code paths then match.
+# The transformers and peft of .venv when there is one: generation, attention and LoRA code paths then match
+# (peft: `--model smollm2` trains LoRA adapters on both sides; the project's lora extra, peft>=0.12, otherwise).
 TRANSFORMERS_SPEC="transformers"
+PEFT_SPEC="peft>=0.12"
 if [[ -x "$ROOT/.venv/bin/python" ]]; then
     version="$("$ROOT/.venv/bin/python" -c 'import transformers; print(transformers.__version__)' 2>/dev/null || true)"
     [[ -n "$version" ]] && TRANSFORMERS_SPEC="transformers==$version"
+    version="$("$ROOT/.venv/bin/python" -c 'import peft; print(peft.__version__)' 2>/dev/null || true)"
+    [[ -n "$version" ]] && PEFT_SPEC="peft==$version"
 fi
 STAMP="$VENV/.agentopsd-trl-built"
-STAMP_TEXT="$TORCH_SPEC $TRL_SPEC $TRANSFORMERS_SPEC"
+STAMP_TEXT="$TORCH_SPEC $TRL_SPEC $TRANSFORMERS_SPEC $PEFT_SPEC"
 
 if [[ "${AGENTOPSD_TRL_REBUILD:-0}" == "1" ]]; then
     rm -rf "$VENV"
@@ -43,11 +47,11 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
 # torch first, pinned, so that resolving trl never pulls a CUDA build.
 "${PIP[@]}" install -q "$TORCH_SPEC"
-"${PIP[@]}" install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT" "$TRL_SPEC" "$TRANSFORMERS_SPEC"
+"${PIP[@]}" install -q -c "$ROOT/constraints-cpu.txt" -e "$ROOT" "$TRL_SPEC" "$TRANSFORMERS_SPEC" "$PEFT_SPEC"
 "$VENV/bin/python" - <<'EOF'
-import torch, transformers, trl
+import peft, torch, transformers, trl
 assert not torch.cuda.is_available() or "+cpu" in torch.__version__, torch.__version__
-print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}, peft {peft.__version__}")
 EOF
 echo "$STAMP_TEXT" > "$STAMP"
 echo "built $VENV in $(( $(date +%s) - start )) s"
