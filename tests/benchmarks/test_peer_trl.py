@@ -115,7 +115,7 @@ def test_the_results_document_is_computed_from_the_measured_phases(peer):
 def test_model_option_picks_the_smollm2_setup_and_keeps_the_tiny_default(peer):
     """``--model smollm2``: the SmolLM2 recipe's shapes for both sides, the model loaded with LoRA and model.dtype=auto;
     explicit options still win; without ``--model`` the tiny comparison is what it was."""
-    args = peer.parse_args(["--model", "smollm2", "--out", "x.md"])
+    args = peer.parse_args(["--model", "smollm2"])
     setup = peer.setup_from_args(args)
     assert (setup.tasks_per_iteration, setup.group_size, setup.micro_batch_size, setup.iterations) == (4, 4, 4, 2)
     assert (setup.max_new_tokens, setup.temperature, setup.rows) == (8, 0.7, 16)
