@@ -19,6 +19,13 @@ One ``train.py`` subprocess (its own process group, so a stop kills nothing else
 
 Threads: ``--threads`` sets ``OMP_NUM_THREADS`` for the run (default: as the caller's environment has it).
 
+    python benchmarks/smollm2_recipe.py --compare [--out DIR] [--threads N] [--json PATH] [--report PATH] [-- overrides]
+
+``--compare`` runs the recipe twice, one after the other, each with its own fresh warm start: ``model.dtype=float32``
+in ``DIR/float32``, then the default (``model.dtype=auto``) in ``DIR/auto``; it prints every phase of both side by side
+with the ratio float32 s / auto s (above 1: auto is faster). Both runs meet the same machine one after the other,
+so run it on a quiet one.
+
     python benchmarks/smollm2_recipe.py --micro [--model smollm2|tiny] [--repeats N] [--json PATH] [--report PATH]
 
 ``--micro`` times each phase's unit of work in this process instead, on real PickupObj rows (4 training tasks x 4
@@ -85,6 +92,8 @@ class Result:
     demos_seconds: float | None = None
     evals: list[dict[str, float]] = field(default_factory=list)
     iterations: list[Iteration] = field(default_factory=list)
+    iteration_ends_s: dict[int, float] = field(default_factory=dict)
+    """Iteration -> seconds since the start when its rollout shard was written."""
 
 
 def parse_output(stamped: list[tuple[float, str]]) -> dict:
@@ -219,6 +228,39 @@ def markdown(result: Result) -> str:
         for e in result.evals:
             lines.append(f"| {e['when']} | {e['iteration']} | {e['success']:.2f} | {e['episodes']} | {e['seconds']} |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def _phase_sums(result: Result) -> dict[str, float | None]:
+    """Seconds per part of a run: the warm start, the RL phases summed over iterations, the evaluations summed
+    (None where the run gave no figure)."""
+    evals = [e["seconds"] for e in result.evals if e.get("seconds") is not None]
+    out: dict[str, float | None] = {"wall": result.wall_seconds, "warm start": result.warm_start_seconds}
+    for p in PHASES:
+        out[p] = sum(getattr(it, p) for it in result.iterations) if result.iterations else None
+    out["evaluations"] = sum(evals) if evals else None
+    return out
+
+
+COMPARE_ROWS = {"wall": "wall (whole recipe)", "warm start": "warm start", "rollout": "RL rollout",
+                "teacher": "teacher scoring (with any recompute)", "update": "update", "evaluations": "evaluations"}
+
+
+def compare_table(float32: Result, auto: Result) -> str:
+    """The two runs of ``--compare`` side by side: seconds per part and float32 s / auto s, then peak RSS and each
+    evaluation's greedy success."""
+    a, b = _phase_sums(float32), _phase_sums(auto)
+    lines = [f"float32: `{float32.command}`; auto: `{auto.command}`; at {auto.commit}, OMP_NUM_THREADS={auto.threads}, "
+             f"exit codes {float32.returncode} and {auto.returncode}", "",
+             "| part | float32 s | auto s | float32 s / auto s |", "|---|---|---|---|"]
+    for key, name in COMPARE_ROWS.items():
+        x, y = a[key], b[key]
+        cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        ratio = f"**{x / y:.2f}x**" if key == "wall" and x and y else (f"{x / y:.2f}x" if x and y else "-")
+        lines.append(f"| {name} | {cell(x)} | {cell(y)} | {ratio} |")
+    lines.append(f"| peak RSS MiB | {float32.peak_rss_mib:.0f} | {auto.peak_rss_mib:.0f} | |")
+    curve = lambda r: " / ".join(f"{100 * e['success']:.0f}%" for e in r.evals) or "-"  # noqa: E731
+    lines.append(f"| greedy success at each evaluation | {curve(float32)} | {curve(auto)} | |")
     return "\n".join(lines)
 
 
@@ -399,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default=None, help="OMP_NUM_THREADS for the run (default: as set here)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--report", type=Path, default=None, help="write the markdown here")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the recipe with model.dtype=float32, then with the default (auto), and print them side by side")
     parser.add_argument("--micro", action="store_true", help="time each phase's unit of work here, float32 and bf16 (no train.py run)")
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                         help="--micro: SmolLM2-135M, or the tiny from-scratch Qwen2 (seconds, no download: CI)")
@@ -419,28 +463,44 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or os.environ.get("OMP_NUM_THREADS") or "unset"
     if args.out is None:
         args.out = ROOT / "runs" / "smollm2" / time.strftime("bench-%Y-%m-%d_%H-%M-%S", time.gmtime())
-    code, wall, rss, stamped, started_unix = run(args.overrides, args.out, args.threads)
-    parsed = parse_output(stamped)
-    ends = shard_ends(args.out, started_unix)
-    iterations = csv_iterations(read_csv(args.out))
-    result = Result(command="python train.py +experiment=smollm2 " + shlex.join(args.overrides), commit=commit(),
-                    threads=threads, returncode=code, wall_seconds=wall, peak_rss_mib=rss,
-                    warm_start_steps=parsed.get("warm_start_steps"), warm_start_seconds=parsed.get("warm_start_seconds"),
-                    demos_seconds=parsed.get("demos_seconds"),
-                    evals=eval_seconds(parsed["evals"], parsed.get("warm_start_done_at"), ends,
-                                       {it.iteration: it.total for it in iterations}),
-                    iterations=iterations)
+    if args.compare:
+        # the output folder is outside runs_dir, so each run's warm start is its own (no cache shared between them)
+        results = {label: measure(args.overrides + extra, args.out / label, args.threads, threads)
+                   for label, extra in (("float32", ["model.dtype=float32"]), ("auto", []))}
+        text = compare_table(results["float32"], results["auto"])
+        print("\n" + text)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=1) + "\n")
+        if args.report:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(text + "\n\n" + "\n\n".join(f"## {k}\n\n{markdown(v)}" for k, v in results.items()))
+        return max(r.returncode for r in results.values())
+    result = measure(args.overrides, args.out, args.threads, threads)
     text = markdown(result)
     print("\n" + text)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        data = asdict(result)
-        data["iteration_ends_s"] = ends
-        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        args.json.write_text(json.dumps(asdict(result), indent=1) + "\n")
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(text + "\n")
-    return code
+    return result.returncode
+
+
+def measure(overrides: list[str], out: Path, threads: str | None, threads_shown: str) -> Result:
+    """One recipe run (:func:`run`) and its figures."""
+    code, wall, rss, stamped, started_unix = run(overrides, out, threads)
+    parsed = parse_output(stamped)
+    ends = shard_ends(out, started_unix)
+    iterations = csv_iterations(read_csv(out))
+    return Result(command="python train.py +experiment=smollm2 " + shlex.join(overrides), commit=commit(),
+                  threads=threads_shown, returncode=code, wall_seconds=wall, peak_rss_mib=rss,
+                  warm_start_steps=parsed.get("warm_start_steps"), warm_start_seconds=parsed.get("warm_start_seconds"),
+                  demos_seconds=parsed.get("demos_seconds"),
+                  evals=eval_seconds(parsed["evals"], parsed.get("warm_start_done_at"), ends,
+                                     {it.iteration: it.total for it in iterations}),
+                  iterations=iterations, iteration_ends_s=ends)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One PPO update on fixed rows, under 1 process or 2 (DDP or FSDP2, gloo): writes each rank's reduced
 gradient, loss and updated weights, so a test can compare them (tests/test_distributed_numbers.py).
 
-    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp,fsdp-deferred}[+skip]
+    python tests/distributed_update_probe.py OUT_DIR {single,ddp,fsdp,fsdp-deferred}[+skip|+skip-recompute]
 
 The 7 rows (unequal prompt and action lengths, advantages of both signs) are split unequally in the
 2-process runs: rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 2 (1 micro-batch, then dummy
@@ -9,6 +9,9 @@ passes); under DDP the update first balances the ranks' tokens (``optim.balance_
 them), under FSDP2 it does not (the deferred-reduction count needs the dummy passes); the entropy bonus and the
 KL penalty are on. With ``+skip``: no KL or entropy (``optim.skip_zero_advantage`` refuses them), rows 2, 5
 and 6 hold advantage 0 and skip the update's forward, so rank 1 of a 2-process FSDP2 run has no row to run.
+With ``+skip-recompute`` as with ``+skip``, but the rows arrive with behaviour log-probs 0.1 off the trainer's (a
+bf16 generator's) and the update recomputes the old ones for its nonzero-advantage rows first (the deferred
+recompute of ``AgentRLModule.defers_recompute``): rank 1 of an FSDP2 run then joins that forward with no row.
 """
 
 from __future__ import annotations
@@ -68,9 +71,9 @@ def fixed_rows(rows: list[int], vocab: int, device: torch.device, zero: tuple[in
 class FixedRowsModule(AgentRLModule):
     """The module with its rollout replaced by fixed rows (the update path is the real one)."""
 
-    def __init__(self, out: Path, *args, **kwargs) -> None:
+    def __init__(self, out: Path, *args, recompute: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.out = out
+        self.out, self.recompute = out, recompute
 
     def rollout(self, batch):
         rank, world = rank_and_world()
@@ -79,6 +82,9 @@ class FixedRowsModule(AgentRLModule):
         with torch.no_grad():
             rb.old_logprobs = self.action_logprobs(rb, "student")
             rb.ref_logprobs = self.action_logprobs(rb, "student", model=self.ref_model) - 0.05 * rb.action_mask
+        if self.recompute:  # the update must put the trainer's log-probs back before its first step
+            rb.old_logprobs = rb.old_logprobs - 0.1 * rb.action_mask
+            self._recompute_pending = (rb, None)
         return rb
 
     def _optimizer_step(self, opt, sched, stats_log) -> None:
@@ -93,7 +99,7 @@ class FixedRowsModule(AgentRLModule):
         self.reductions_before = REDUCTIONS["n"]
         metrics, loss = super().update(batch, batch_idx)
         if rank_and_world()[0] == 0:
-            torch.save({k: v for k, v in metrics.items() if k.startswith("loss/")}, self.out / "metrics.pt")
+            torch.save({k: v for k, v in metrics.items() if k.startswith(("loss/", "rollout/logprob_diff"))}, self.out / "metrics.pt")
         return metrics, loss
 
     def on_train_end(self) -> None:
@@ -129,7 +135,7 @@ def main(out: Path, mode: str) -> None:
     from agentopsd.models.tiny import tiny_policy
 
     mode, _, extra = mode.partition("+")
-    skip = extra == "skip"
+    skip = extra in ("skip", "skip-recompute")
 
     count_reductions()
     torch.manual_seed(0)
@@ -137,7 +143,7 @@ def main(out: Path, mode: str) -> None:
                                    text_episodes=4, cache_dir=str(out / "tok"))
     algo = Algorithm() if skip else Algorithm(kl_coef=0.05, entropy_coef=0.01)
     module = FixedRowsModule(
-        out, model, tokenizer, algorithm=algo, env=EnvConfig(id=ENV), rollout=RolloutConfig(),
+        out, model, tokenizer, recompute=extra == "skip-recompute", algorithm=algo, env=EnvConfig(id=ENV), rollout=RolloutConfig(),
         optim=OptimConfig(lr=1e-3, ppo_epochs=1, num_mini_batches=1, micro_batch_size=2,
                           defer_grad_reduction=mode == "fsdp-deferred", balance_tokens=mode == "ddp", skip_zero_advantage=skip),
         evaluation=EvalConfig(num_tasks=1), num_iterations=1,

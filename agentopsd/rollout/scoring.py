@@ -544,13 +544,8 @@ class Scorer:
         scored, backend_gap = 0.0, None
         generated = rb.old_logprobs
         if recompute_old:
-            behaviour = rb.old_logprobs
-            rb.old_logprobs = self.action_logprobs(rb, "student")
-            # how far the generator's log-probs (vLLM kernels) are from the training forward's
-            backend_gap = (behaviour - rb.old_logprobs)[rb.action_mask].abs()
+            backend_gap = self.recompute_behaviour(rb, None, tis_cap)
             scored += float(rb.attention_mask.sum())
-            if tis_cap is not None:
-                rb.is_weights = truncated_is_weights(rb.old_logprobs, behaviour, tis_cap) * rb.action_mask
         rb.student_logprobs = rb.old_logprobs
         if with_teacher and rb.engine_teacher_logprobs is not None:
             rb.student_logprobs, rb.teacher_logprobs = generated, rb.engine_teacher_logprobs
@@ -565,6 +560,25 @@ class Scorer:
                 rb.teacher_logprobs[rows] = self.action_logprobs(rb, "teacher", rows, model=teacher_model)
             scored += float(rb.teacher_attention_mask[rows].sum())
         return scored, backend_gap
+
+    def recompute_behaviour(self, rb: RolloutBatch, rows: Tensor | None, tis_cap: float | None) -> Tensor:
+        """The behaviour log-probs of ``rows`` (every row when None) re-scored by the trainer's forward, no grad, in
+        place in ``rb.old_logprobs``; the truncated importance weights from them when ``tis_cap`` is given (the other
+        rows' weights 1). Returns |generator - trainer| at those rows' action tokens, row-major."""
+        behaviour = rb.old_logprobs
+        if rows is None:
+            rb.old_logprobs = self.action_logprobs(rb, "student")
+            mask = rb.action_mask
+        else:
+            rb.old_logprobs = behaviour.clone()
+            rb.old_logprobs[rows] = self.action_logprobs(rb, "student", rows)
+            mask = torch.zeros_like(rb.action_mask)
+            mask[rows] = rb.action_mask[rows]
+        if tis_cap is not None:
+            # a row left as it was has old == behaviour there: weight 1
+            rb.is_weights = truncated_is_weights(rb.old_logprobs, behaviour, tis_cap) * rb.action_mask
+        # how far the generator's log-probs (vLLM kernels, a bf16 copy) are from the training forward's
+        return (behaviour - rb.old_logprobs)[mask].abs()
 
     def logprobs_and_entropy(self, batch: RolloutBatch, rows: Tensor, *, entropy: bool,
                              keep_logits: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -676,18 +690,23 @@ def continuation_logprobs(model: nn.Module, prompts: Sequence[Sequence[int]], co
 
 
 def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: float,
-                       row_staleness: Tensor | None = None) -> dict[str, float]:
+                       row_staleness: Tensor | None = None, rows: Tensor | None = None) -> dict[str, float]:
     """The generator's log-prob gap from the trainer's forward (:meth:`Scorer.score_rollout`) and the share of
-    truncated importance weights at their cap.
+    truncated importance weights at their cap; over ``rows`` only when given (a recompute of the rows the update
+    trains on: ``backend_gap`` then covers those rows' action tokens).
 
     ``row_staleness`` ``[M]`` (updates between each row's generating weights and this update; asynchronous
     rollouts): the ``logprob_diff`` metrics, which :func:`warn_on_logprob_gap` reads as the engine's numerics,
     then cover the fresh rows only, since a stale row's gap is mostly the weights' drift, which the importance
     weights correct; that drift is ``rollout/logprob_diff_stale_mean``."""
     metrics = {}
+    amask = rb.action_mask
+    if rows is not None:
+        amask = torch.zeros_like(amask)
+        amask[rows] = rb.action_mask[rows]
     if backend_gap is not None and backend_gap.numel() and row_staleness is not None:
         # backend_gap is row-major over the action tokens: each token's row's staleness, in the same order
-        token_staleness = row_staleness.to(rb.action_mask.device)[:, None].expand_as(rb.action_mask)[rb.action_mask]
+        token_staleness = row_staleness.to(amask.device)[:, None].expand_as(amask)[amask]
         stale = backend_gap[token_staleness > 0]
         if stale.numel():
             metrics["rollout/logprob_diff_stale_mean"] = float(stale.mean())
@@ -695,8 +714,8 @@ def engine_gap_metrics(backend_gap: Tensor | None, rb: RolloutBatch, tis_cap: fl
     if backend_gap is not None and backend_gap.numel():
         metrics["rollout/logprob_diff_max"] = float(backend_gap.max())
         metrics["rollout/logprob_diff_mean"] = float(backend_gap.mean())
-    if rb.is_weights is not None and rb.action_mask.any():
-        w = rb.is_weights[rb.action_mask]
+    if rb.is_weights is not None and amask.any():
+        w = rb.is_weights[amask]
         metrics["rollout/tis_weight_mean"] = float(w.mean())
         metrics["rollout/tis_capped_frac"] = float((w >= tis_cap).float().mean())
     return metrics

@@ -44,7 +44,7 @@ from agentopsd.run.rng_state import capture, restore
 from agentopsd.training.data import TaskBatch, collate_trajectories
 from agentopsd.training.distributed import kill_launched_ranks, rank_and_world, reduce_metrics, shard_items
 from agentopsd.training.evaluation import eval_task_list, pooled_metrics
-from agentopsd.training.objective import check_settings, micro_batch_loss
+from agentopsd.training.objective import check_settings, micro_batch_loss, signal_rows
 from agentopsd.training.offload import offload_optimizer_states, restore_optimizer_states
 from agentopsd.training.oom import out_of_memory_ends_the_job
 from agentopsd.training.precision import FLOAT32_PLAN, WeightPlan, plan_for_config
@@ -131,6 +131,8 @@ class AgentRLModule(L.LightningModule):
         """AdamW's states are in host memory (``optim.offload_optimizer``, while the engine generates)."""
         self.phase_seconds: dict[str, float] = {}
         self.rollout_metrics: dict[str, float] = {}
+        self._recompute_pending: tuple[RolloutBatch, Tensor | None] | None = None
+        """The batch (and its rows' staleness) whose behaviour log-probs the update recomputes (:meth:`defers_recompute`)."""
         self.first_ratio_dev: float = float("nan")
         """max |ratio - 1| on the first mini-batch of the last iteration (0 when on-policy)."""
         self.eval_history: list[dict[str, float]] = []
@@ -207,10 +209,13 @@ class AgentRLModule(L.LightningModule):
             rb = collate_trajectories(trajectories, self.pad_id).to(self.device)
             t0 = time.perf_counter()
             with self._phase("scoring"), torch.no_grad(), self._compute_precision():
+                teacher_model = factory.generation_copy(self.rollouts.built_collector)
+                deferred = self.defers_recompute(rb, teacher_model)
                 # under a mixed precision the behaviour log-probs are the training forward's, in the update's precision
                 scored, backend_gap = self.scorer.score_rollout(
-                    rb, recompute_old=self.recompute_old_logprobs, with_teacher=self.algorithm.needs_teacher,
-                    tis_cap=self.tis_cap, teacher_model=factory.generation_copy(self.rollouts.built_collector))
+                    rb, recompute_old=self.recompute_old_logprobs and not deferred, with_teacher=self.algorithm.needs_teacher,
+                    tis_cap=self.tis_cap, teacher_model=teacher_model)
+                self._recompute_pending = (rb, got.row_staleness) if deferred else None
                 if self.ref_model is not None:
                     if not self._sharded:  # under FSDP2 fully_shard placed it already
                         place_reference(self.ref_model, self.model, keep_half=self.weight_plan.frozen_as_loaded)
@@ -249,6 +254,37 @@ class AgentRLModule(L.LightningModule):
         # bf16 weights generated (agentopsd.training.precision): the behaviour log-probs are not the update's numerics either
         return (self.rollout_cfg.recompute_old_logprobs or self.mixed_precision or self.rollouts.off_policy
                 or self.weight_plan.half_rollout)
+
+    def defers_recompute(self, rb: RolloutBatch, teacher_model: nn.Module | None) -> bool:
+        """The behaviour log-probs are recomputed at the start of the update, for the rows it trains on only,
+        instead of for every row at scoring: with ``optim.skip_zero_advantage`` a row whose advantage is 0 never
+        reads them (its loss is 0 whatever its ratio), and late in a run most rows are such rows (every copy of a
+        task won, or every one lost). The weights have not moved in between, so the numbers are the same.
+        Not where the credit reads the recomputed log-probs as the teacher gap's student side: a teacher view
+        scored by the trainer's own forward is compared with them, not with the generator's."""
+        if not (self.recompute_old_logprobs and self.optim_cfg.skip_zero_advantage):
+            return False
+        return not self.algorithm.needs_teacher or teacher_model is not None or rb.engine_teacher_logprobs is not None
+
+    def _recompute_for_update(self, batch: RolloutBatch) -> dict[str, float]:
+        """The deferred recompute (:meth:`defers_recompute`) of ``batch``, once, before its first optimizer step:
+        the rows with a nonzero advantage re-scored as scoring would have; returns the gap and TIS metrics over them."""
+        pending, self._recompute_pending = self._recompute_pending, None
+        if pending is None or pending[0] is not batch:
+            return {}
+        rows = signal_rows(batch.advantages, batch.action_mask)
+        was_training = self.model.training
+        self.model.eval()  # as at scoring
+        try:
+            with torch.no_grad(), self._compute_precision():
+                gap = self.scorer.recompute_behaviour(batch, rows, self.tis_cap)
+        finally:
+            self.model.train(was_training)
+        metrics = engine_gap_metrics(gap, batch, self.tis_cap or 0.0, pending[1], rows=rows)
+        metrics = reduce_metrics(metrics, "update/recompute-metrics", weight=float(len(rows)), rule=metric_rule)
+        warn_on_logprob_gap(metrics.get("rollout/logprob_diff_mean"), self.optim_cfg.logprob_diff_warning,
+                            self.iteration, tis_on=self.tis_active)
+        return metrics
 
     def _compute_precision(self):
         """The precision the update's forwards run in (Lightning's autocast for a mixed precision): the old
@@ -343,6 +379,7 @@ class AgentRLModule(L.LightningModule):
         t0 = time.perf_counter()
         opt, sched, cfg = self.optimizers(), self.lr_schedulers(), self.optim_cfg
         self._restore_optimizer_states()  # where an interrupted rollout left them on the host
+        self.rollout_metrics.update(self._recompute_for_update(batch))
         seams = Seams(self.manual_backward, self._micro_loss, self._optimizer_step, self._gradient_sync)
         done = ppo_update(batch, algo=self.algorithm, cfg=cfg, scorer=self.scorer, opt=opt, sched=sched, seams=seams,
                           seed=self.seed, batch_idx=batch_idx, device=self.device, pad_id=self.pad_id,

@@ -28,3 +28,41 @@ def test_micro_runs_every_phase_both_ways_on_the_tiny_model(smollm2_recipe_bench
     printed = capsys.readouterr().out
     assert "| phase | work | float32 s | bf16 s | bf16 speed-up (float32 s / bf16 s) |" in printed
     assert (tmp_path / "micro-table.txt").read_text().strip() in printed
+
+
+def _result(bench, command: str, warm: float, phases: tuple[float, float, float], evals: list[tuple[float, float]],
+            wall: float):
+    its = [bench.Iteration(i + 1, *(p / 2 for p in phases), rows=100, success=0.5) for i in range(2)]
+    return bench.Result(command=command, commit="abc1234", threads="2", returncode=0, wall_seconds=wall, peak_rss_mib=4000,
+                        warm_start_steps=96, warm_start_seconds=warm, iterations=its,
+                        evals=[{"when": "periodic", "iteration": 2 * k, "success": s, "episodes": 50, "at": 0, "seconds": t}
+                               for k, (s, t) in enumerate(evals)])
+
+
+def test_compare_puts_float32_and_auto_side_by_side_with_float32_over_auto(smollm2_recipe_bench):
+    bench = smollm2_recipe_bench
+    f32 = _result(bench, "f", 600, (200, 300, 400), [(0.0, 100), (1.0, 80)], wall=2000)
+    auto = _result(bench, "a", 500, (100, 150, 400), [(0.0, 50), (0.9, None)], wall=1000)
+    text = bench.compare_table(f32, auto)
+    assert "| wall (whole recipe) | 2000 | 1000 | **2.00x** |" in text
+    assert "| warm start | 600 | 500 | 1.20x |" in text
+    assert "| RL rollout | 200 | 100 | 2.00x |" in text  # summed over both iterations
+    assert "| teacher scoring (with any recompute) | 300 | 150 | 2.00x |" in text
+    assert "| update | 400 | 400 | 1.00x |" in text
+    assert "| evaluations | 180 | 50 | 3.60x |" in text  # an evaluation without a time is left out of the sum
+    assert "| greedy success at each evaluation | 0% / 100% | 0% / 90% | |" in text
+
+
+def test_compare_runs_float32_then_auto_each_in_its_own_folder(smollm2_recipe_bench, tmp_path, monkeypatch):
+    bench = smollm2_recipe_bench
+    calls = []
+
+    def fake(overrides, out, threads, shown):
+        calls.append((overrides, out.name, threads))
+        return _result(bench, " ".join(overrides), 1, (1, 1, 1), [(1.0, 1)], wall=10 if "model.dtype=float32" in overrides else 5)
+
+    monkeypatch.setattr(bench, "measure", fake)
+    report = tmp_path / "compare.md"
+    assert bench.main(["--compare", "--threads", "2", "--out", str(tmp_path), "--report", str(report), "--", "seed=3"]) == 0
+    assert calls == [(["seed=3", "model.dtype=float32"], "float32", "2"), (["seed=3"], "auto", "2")]
+    assert "| wall (whole recipe) | 10 | 5 | **2.00x** |" in report.read_text()

@@ -124,3 +124,60 @@ def test_first_ratio_is_near_one_with_a_bf16_lora_base(tiny_walk_policy):
     assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
     assert max(recorder.devs) < 1e-4, recorder.devs  # 0 measured; about 1e-3 with the generator's log-probs as the old ones
     assert all(g > 0 for g in recorder.gaps), recorder.gaps
+
+
+def test_the_deferred_recompute_scores_only_the_rows_the_update_trains_on(tiny_walk_policy, monkeypatch):
+    """bf16 LoRA base with optim.skip_zero_advantage (the SmolLM2 recipes): the behaviour log-probs are recomputed at
+    the update's start for the rows with a nonzero advantage only (the others' loss is 0 whatever their ratio), so
+    the first ratio is still 1 and the gap and TIS metrics cover those rows. Planted defects: no recompute at the
+    update leaves the first ratio about 2e-3 from 1; a recompute of every row fails the row check."""
+    from agentopsd.models.loading import apply_lora
+    from agentopsd.rollout.scoring import Scorer
+    from agentopsd.training.precision import WeightPlan
+
+    model, tokenizer = tiny_walk_policy
+    model = apply_lora(model.to(torch.bfloat16), {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"})
+    module = make_module((model, tokenizer), iterations=2, num_mini_batches=1, micro_batch_size=64, ppo_epochs=1,
+                         skip_zero_advantage=True, tis_cap=2.0)
+    module.weight_plan = WeightPlan(frozen_half=True, generation_dtype=torch.bfloat16)  # model.dtype=auto's plan for LoRA
+    fit(module, 1)  # attaches a trainer
+    batch = module.rollout(_task_batch(1))
+    generated = batch.old_logprobs.clone()
+    assert module._recompute_pending is not None and module._recompute_pending[0] is batch  # not at scoring
+    adv = batch.action_mask.float()
+    adv[::2] = 0.0  # every other row carries no signal
+    batch.advantages = adv
+    recomputed: list[list[int]] = []
+    original = Scorer.recompute_behaviour
+
+    def recording(self, rb, rows, tis_cap):
+        recomputed.append(rows.tolist())
+        return original(self, rb, rows, tis_cap)
+
+    monkeypatch.setattr(Scorer, "recompute_behaviour", recording)
+    metrics, _ = module.update(batch, 0)
+    assert module.first_ratio_dev < 1e-4, module.first_ratio_dev
+    assert recomputed == [list(range(1, batch.num_rows, 2))]
+    assert metrics["rollout/logprob_diff_mean"] > 0  # bf16 generation against the update's forward, on the trained rows
+    assert 0 < metrics["rollout/tis_weight_mean"] <= 2.0
+    assert torch.equal(batch.old_logprobs[::2], generated[::2])  # the skipped rows are never read
+    assert not torch.equal(batch.old_logprobs[1::2], generated[1::2])
+
+
+def test_the_recompute_is_not_deferred_where_the_credit_reads_it(tiny_walk_policy):
+    """A teacher view scored by the trainer's own forward is compared with the recomputed student log-probs, so the
+    recompute stays at scoring there; without a teacher view (GRPO) or with the generator's copy it may wait."""
+    from agentopsd.config import RolloutConfig
+    from agentopsd.credit.algorithms import Algorithm
+
+    module = make_module(tiny_walk_policy, skip_zero_advantage=True)
+    module.trainer = None
+    batch = module.rollout(_task_batch(0))
+    assert not module.defers_recompute(batch, None)  # nothing recomputed in this run at all
+    module.rollout_cfg = RolloutConfig(max_new_tokens=6, recompute_old_logprobs=True)
+    assert not module.defers_recompute(batch, None)  # AgentOPSD, its teacher view scored by the trainer's forward
+    assert module.defers_recompute(batch, module.model)  # scored by a generation copy: against its own log-probs
+    module.algorithm = Algorithm(name="grpo")
+    assert module.defers_recompute(batch, None)
+    module.optim_cfg = type(module.optim_cfg)(**{**vars(module.optim_cfg), "skip_zero_advantage": False})
+    assert not module.defers_recompute(batch, None)
