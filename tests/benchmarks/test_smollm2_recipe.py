@@ -62,7 +62,7 @@ def test_compare_runs_float32_then_auto_each_in_its_own_folder(smollm2_recipe_be
         return _result(bench, " ".join(overrides), 1, (1, 1, 1), [(1.0, 1)], wall=10 if "model.dtype=float32" in overrides else 5)
 
     monkeypatch.setattr(bench, "measure", fake)
-    report = tmp_path / "compare.md"
+    report = tmp_path / "side-by-side.txt"
     assert bench.main(["--compare", "--threads", "2", "--out", str(tmp_path), "--report", str(report), "--", "seed=3"]) == 0
     assert calls == [(["seed=3", "model.dtype=float32"], "float32", "2"), (["seed=3"], "auto", "2")]
     assert "| wall (whole recipe) | 10 | 5 | **2.00x** |" in report.read_text()
