@@ -209,12 +209,17 @@ def test_an_observation_turn_carries_no_default_system_message(peer, policy):
 
 
 def test_peak_memory_is_measured_per_run(peer):
+    import mmap
+
     peer.reset_peak_memory()
     before = peer.peak_memory_mib()
-    block = bytearray(64 << 20)  # touched: resident
-    block[:: 4096] = b"x" * len(block[:: 4096])
+    # fresh anonymous pages, touched: resident on top of what the process held (a bytearray may reuse memory the
+    # allocator kept resident from earlier tests in this worker, and then the peak does not move)
+    block = mmap.mmap(-1, 64 << 20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
     runs = [[peer.Phases(1.0, 0.5, 0.3, 10), *peer.with_peak([peer.Phases(1.0, 0.5, 0.3, 10)])]]
-    del block
+    block.close()
     assert runs[0][-1].peak_mib >= before + 60
     assert peer.steady(runs).peak_mib == runs[0][-1].peak_mib
 
