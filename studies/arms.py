@@ -252,13 +252,16 @@ def paired_differences(summaries: list[dict], arm: str, measure: str, baseline: 
 
 
 def build_table(summaries: list[dict], arms: list[str], command_line: str) -> str:
-    arms = [a for a in dict.fromkeys([*arms, *(s["arm"] for s in summaries)]) if any(s["arm"] == a for s in summaries)]
+    # a seed is complete when it has every arm of the study, not only the arms some run has finished so far
+    study = list(dict.fromkeys([*arms, *(s["arm"] for s in summaries)]))
+    arms = [a for a in study if any(s["arm"] == a for s in summaries)]
     others = [a for a in arms if a != BASELINE]
     family = 1 - 0.05 / max(1, len(others))
     seeds = sorted({s["seed"] for s in summaries})
-    complete = [seed for seed in seeds if all(any(s["arm"] == a and s["seed"] == seed for s in summaries) for a in arms)]
+    complete = [seed for seed in seeds if all(any(s["arm"] == a and s["seed"] == seed for s in summaries) for a in study)]
     lines = [f"Command: `{command_line}`  ", f"Commit: {', '.join(sorted({s['commit'][:12] for s in summaries}))}", "",
-             f"Seeds with every arm: {len(complete)} ({', '.join(map(str, complete)) or 'none'}); runs: {len(summaries)}.", "",
+             f"Seeds with every arm ({', '.join(study)}): {len(complete)} ({', '.join(map(str, complete)) or 'none'}); "
+             f"runs: {len(summaries)}.", "",
              "## Per arm: mean [95% t interval over seeds] (seeds)", "",
              "| arm | greedy success at the end, % | area under the curve, % | slope, points per extra expert turn |",
              "|---|---|---|---|"]

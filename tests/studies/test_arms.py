@@ -93,7 +93,8 @@ def test_the_table_gives_each_arm_minus_grpo_with_its_bonferroni_interval(arms) 
             lengths = {"9": [base + effect + 0.2, 10.0], "13": [base + effect, 10.0], "17": [base + effect - 0.2, 10.0]}
             summaries.append(_summary(arm, seed, [0.0, base, base + effect], lengths))
     text = arms.build_table(summaries, list(arms.ARMS), "python studies/arms.py")
-    assert "Seeds with every arm: 6" in text and "Bonferroni over the 3 comparisons (98.33% each)" in text
+    assert "Seeds with every arm (grpo, agentopsd, agentopsd_wide, stepopsd): 6" in text
+    assert "Bonferroni over the 3 comparisons (98.33% each)" in text
     row = next(line for line in text.splitlines() if line.startswith("| agentopsd | 10.0"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     # every pair differs by exactly +10 points: a zero-width interval at 10, Bonferroni or not
@@ -103,6 +104,14 @@ def test_the_table_gives_each_arm_minus_grpo_with_its_bonferroni_interval(arms) 
     assert "| warm start |" in text and "| 9 | 13 | 17 |" in text
     per_arm = next(line for line in text.splitlines() if line.startswith("| grpo |"))
     assert per_arm.endswith("| -5.00 [-5.00, -5.00] (6) |")
+
+def test_a_seed_counts_as_complete_only_with_every_arm_of_the_study(arms) -> None:
+    """Two GRPO runs and nothing else: no pair stands, though every arm that has run so far is there."""
+    lengths = {"9": [0.5, 10.0]}
+    text = arms.build_table([_summary("grpo", 0, [0.0, 0.5], lengths), _summary("grpo", 1, [0.0, 0.6], lengths)],
+                            list(arms.ARMS), "python studies/arms.py")
+    assert "Seeds with every arm (grpo, agentopsd, agentopsd_wide, stepopsd): 0 (none); runs: 2." in text
+
 
 def test_a_study_without_its_baseline_is_refused(arms, tmp_path) -> None:
     with pytest.raises(SystemExit, match="lacks grpo"):
