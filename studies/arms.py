@@ -200,6 +200,11 @@ def recorded(out: Path, arm: str, seed: int, iterations: int) -> dict | None:
     return done if done and done["iterations"] == iterations else None
 
 
+def archived(out: Path, arm: str, seed: int) -> bool:
+    """The run's credit archive is complete (:func:`studies.ladder.credit_archive` writes ``done.json`` last)."""
+    return (out / "credit_data" / f"{arm}-s{seed}" / "done.json").is_file()
+
+
 def unpaired(out: Path, seed: int, digest: str) -> list[str]:
     """The finished runs of ``seed`` that started from another warm start than ``digest`` (``warm/`` is not committed:
     a later sitting on a fresh checkout retrains it, which gives the same bytes only on the same kind of processor at
@@ -376,6 +381,13 @@ def main(argv: list[str] | None = None) -> None:
         try:
             mc = arm == "agentopsd" and seed in mc_seeds and args.mc_samples > 0
             summary = recorded(args.out, arm, seed, args.iterations)
+            if summary is not None and arm != BASELINE and not archived(args.out, arm, seed) \
+                    and not (args.out / "runs" / f"{arm}-s{seed}").exists():
+                # summarised, but the sitting ended before its instrument's data was archived, and the rollouts
+                # that archive needs went with the run's folder: train it again rather than lose them
+                print(f"{arm} seed {seed}: summarised but not archived, and its run folder is gone: training it again",
+                      file=sys.stderr, flush=True)
+                summary = None
             if summary is None:
                 with seed_locks[seed]:  # the first run of a seed makes its warm start, the others wait
                     weights, before = warm(args.out, code, seed, overrides)

@@ -150,3 +150,10 @@ def test_a_tiny_study_shares_one_warm_start_archives_the_evidence_and_resumes(tm
     assert again.returncode == 0, again.stderr[-3000:]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "warm").exists()
     assert len((tmp_path / "runs.csv").read_text().strip().splitlines()) == 3  # header and the two runs
+    # a sitting that ended between an arm's summary and its archive: that arm trains again and is archived, GRPO not
+    os.rename(archive, tmp_path / "archive-kept")
+    third = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "agentopsd seed 0: summarised but not archived" in third.stderr
+    assert (archive / "done.json").is_file() and (tmp_path / "runs" / "agentopsd-s0").is_dir()
+    assert not (tmp_path / "runs" / "grpo-s0").exists()
