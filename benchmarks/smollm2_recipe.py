@@ -354,8 +354,11 @@ def _phases(path: str, dtype: str) -> tuple[dict[str, object], dict[str, int]]:
     from agentopsd.rollout.base import SamplingConfig
     from agentopsd.rollout.hf import HFGenerator
     from agentopsd.rollout.scoring import continuation_logprobs
+    from agentopsd.training.precision import compute_in_half
 
     model, tokenizer = load_policy(path, dtype=dtype, lora=LORA)
+    if dtype == "bfloat16":
+        compute_in_half(model)  # as the run's WeightPlan has it: the adapters in bf16 too, attention in float32
     pad = tokenizer.pad_token_id
     students, teachers, replies, samples = micro_rows(tokenizer)
     sampling = SamplingConfig(max_new_tokens=8, temperature=0.7, stop_strings=("</action>",), seed=0)

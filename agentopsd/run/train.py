@@ -80,6 +80,10 @@ def main(cfg: DictConfig) -> dict[str, float]:
         torch.use_deterministic_algorithms(True)
 
     model, tokenizer = instantiate(cfg.model)
+    from agentopsd.training.precision import compute_in_half, plan_for_config
+
+    if plan_for_config(cfg).frozen_half:  # a LoRA policy over a bf16 base: the warm start trains it in bf16 too
+        compute_in_half(model)
     if cfg.warm_start:
         from agentopsd.models.warmstart import warm_start
 

@@ -47,7 +47,7 @@ from agentopsd.training.evaluation import eval_task_list, pooled_metrics
 from agentopsd.training.objective import check_settings, micro_batch_loss, signal_rows
 from agentopsd.training.offload import offload_optimizer_states, restore_optimizer_states
 from agentopsd.training.oom import out_of_memory_ends_the_job
-from agentopsd.training.precision import FLOAT32_PLAN, WeightPlan, plan_for_config
+from agentopsd.training.precision import FLOAT32_PLAN, WeightPlan, compute_in_half, plan_for_config
 from agentopsd.training.preemption import Preempted, RolloutStopped, StopRequest
 from agentopsd.training.strategies import frozen_copy, place_reference, prepare_policy
 from agentopsd.training.update import SHARED_TERMS, Seams, adamw_with_schedule, metric_rule, ppo_update
@@ -111,6 +111,8 @@ class AgentRLModule(L.LightningModule):
         loading that folder needs no sync before the first update."""
         self.weight_plan = weight_plan
         """bf16 frozen weights or a bf16 generation copy (:mod:`agentopsd.training.precision`), or one float32 policy."""
+        if weight_plan.frozen_half:
+            compute_in_half(model)  # train.py did so before the warm start; a module built by other code needs it too
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.prompts = factory.prompt_builder(tokenizer, env)
         self.skill_bank = factory.skill_bank(env)

@@ -19,6 +19,11 @@ What a bf16 choice means on a CPU under ``trainer.precision=32-true`` (:func:`we
   generates and scores the teacher view, refreshed from the master weights before each rollout
   (:func:`copy_weights`), as a vLLM engine is synced.
 
+The LoRA policy over a bf16 base computes in bf16 throughout (:func:`compute_in_half`): its adapters (float32
+weights, float32 gradients and AdamW states) multiply in bf16 under autocast, and attention runs in float32, whose
+CPU backward is about twice as fast as bf16's. Together: an update micro-batch about 27% faster, a warm-start step
+about 17% (SmolLM2-135M, one thread).
+
 Either way the rollout's log-probs are not the update forward's numerics, so the module recomputes the old
 log-probs in the update's precision (and weighs tokens by truncated importance weights where ``optim.tis_cap``
 is set), as a GPU run does for its engine. GPUs and the mixed precisions keep ``model.dtype`` as a loading dtype
@@ -205,6 +210,8 @@ def half_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     else:
         out = copy.deepcopy(model)
     out.requires_grad_(False).eval()
+    if getattr(out.config, "_attn_implementation", None) == FLOAT32_ATTENTION:
+        out.set_attn_implementation("sdpa")  # no backward runs on the copy: bf16 attention is as fast forward
     for p in out.parameters():  # each tied parameter once
         p.data = p.data.to(dtype)
     if lora:
@@ -240,3 +247,71 @@ def copy_weights(dst: nn.Module, src: nn.Module) -> None:
             raise ValueError(f"the generation copy's {name} met the policy's {other}: not the same architecture")
         if a.data_ptr() != b.data_ptr():
             a.copy_(b)
+
+
+FLOAT32_ATTENTION = "sdpa_float32"
+"""The attention implementation :func:`compute_in_half` gives a bf16 policy: transformers' SDPA on float32 inputs."""
+
+_HALF_COMPUTE = "_agentopsd_half_compute"
+
+
+def float32_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' SDPA attention with query, key and value upcast to float32 and the output cast back.
+
+    Why: on a CPU the fused attention's backward in bf16 takes about twice float32's time (SmolLM2-135M, an update
+    micro-batch of 8 rows: 465 against 236 ms over the 30 layers, a fifth of the whole step), and the forward is no
+    faster in bf16. The projections around it, where the flops are, stay bf16."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):  # an enclosing autocast would cast them back to bf16
+        if attention_mask is not None and attention_mask.is_floating_point():
+            attention_mask = attention_mask.float()
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(query.dtype), weights
+
+
+def _register_float32_attention() -> None:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(FLOAT32_ATTENTION, float32_sdpa)
+    AttentionMaskInterface.register(FLOAT32_ATTENTION, sdpa_mask)  # the same boolean masks SDPA takes
+
+
+def _enter_autocast(layer: nn.Module, args: tuple) -> None:
+    context = torch.autocast(layer.base_layer.weight.device.type, dtype=layer.base_layer.weight.dtype)
+    context.__enter__()
+    layer.__dict__.setdefault("_agentopsd_autocast", []).append(context)
+
+
+def _exit_autocast(layer: nn.Module, args: tuple, output: object) -> None:
+    layer.__dict__["_agentopsd_autocast"].pop().__exit__(None, None, None)
+
+
+def compute_in_half(model: nn.Module) -> bool:
+    """Make a LoRA policy over a half-precision base compute in that precision (a :class:`WeightPlan` with
+    ``frozen_half``); returns whether it changed anything (a model without LoRA, or one done before, is left alone).
+
+    - Each LoRA layer's adapters multiply in the base's dtype under autocast, and peft no longer casts the layer's
+      input to the adapters' float32 first: the adapter weights, their gradients and their AdamW states stay float32
+      (autocast casts a weight per forward and its gradient back), as bf16 mixed precision trains on a GPU. In float32
+      the adapters' skinny matmuls and the casts around them were about a fifth of an update micro-batch.
+    - Attention runs :func:`float32_sdpa` in place of SDPA (other implementations are left as chosen).
+
+    Every forward of this model does so, the update's, the recomputed old log-probs' and the warm start's alike,
+    so the on-policy ratio stays 1. A :func:`half_copy` of it (generation, teacher scoring) runs SDPA in bf16 again:
+    no backward there, and its forward is as fast in bf16."""
+    lora = lora_layers(model)
+    if not lora or getattr(model, _HALF_COMPUTE, False):
+        return False
+    for layer in lora.values():
+        layer.cast_input_dtype_enabled = False
+        layer.register_forward_pre_hook(_enter_autocast)
+        layer.register_forward_hook(_exit_autocast, always_call=True)  # an exception inside leaves no autocast on
+    base = model.get_base_model()
+    if base.config._attn_implementation == "sdpa":
+        _register_float32_attention()
+        base.set_attn_implementation(FLOAT32_ATTENTION)
+    object.__setattr__(model, _HALF_COMPUTE, True)
+    return True

@@ -11,10 +11,11 @@ from agentopsd.config import EnvConfig, EvalConfig, OptimConfig, RolloutConfig
 from agentopsd.credit.algorithms import AgentOPSD, Algorithm
 from agentopsd.training.data import TaskDataModule, sample_tasks
 from agentopsd.training.module import AgentRLModule
+from agentopsd.training.precision import FLOAT32_PLAN
 from tests.conftest import TOY_ID, WALK_SKILLS
 
 
-def make_module(policy, algorithm=None, iterations=2, **optim) -> AgentRLModule:
+def make_module(policy, algorithm=None, iterations=2, weight_plan=FLOAT32_PLAN, **optim) -> AgentRLModule:
     model, tokenizer = policy
     return AgentRLModule(
         model,
@@ -25,6 +26,7 @@ def make_module(policy, algorithm=None, iterations=2, **optim) -> AgentRLModule:
         optim=OptimConfig(**{"lr": 1e-3, "ppo_epochs": 2, "num_mini_batches": 2, "micro_batch_size": 4, **optim}),
         evaluation=EvalConfig(num_tasks=2),
         num_iterations=iterations,
+        weight_plan=weight_plan,
     )
 
 

@@ -181,3 +181,29 @@ def test_the_recompute_is_not_deferred_where_the_credit_reads_it(tiny_walk_polic
     assert module.defers_recompute(batch, None)
     module.optim_cfg = type(module.optim_cfg)(**{**vars(module.optim_cfg), "skip_zero_advantage": False})
     assert not module.defers_recompute(batch, None)
+
+
+def test_a_half_lora_policy_computes_in_bf16_at_every_forward_and_the_first_ratio_stays_one(tiny_walk_policy, monkeypatch):
+    """A module built with the bf16-LoRA plan makes its policy compute in half (adapters in bf16, attention in
+    float32, agentopsd.training.precision.compute_in_half) at every forward: the deferred recompute (no gradient) and
+    the update's alike, so the first ratio is 1. Planted defect: half compute only where a gradient is taken puts
+    the first ratio 1.9e-3 away."""
+    from agentopsd.models.loading import apply_lora
+    from agentopsd.training.precision import WeightPlan
+
+    model, tokenizer = tiny_walk_policy
+    model = apply_lora(model.to(torch.bfloat16), {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # the adapters take part from the first forward
+                p.normal_(0, 0.05)
+    plain = make_module((apply_lora(tiny_walk_policy[0].to(torch.bfloat16), {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                                            "target_modules": "all-linear"}), tokenizer))
+    assert not getattr(plain.model, "_agentopsd_half_compute", False)  # the float32 plan leaves a policy alone
+    module = make_module((model, tokenizer), iterations=2, num_mini_batches=1, micro_batch_size=64, ppo_epochs=1,
+                         skip_zero_advantage=True, weight_plan=WeightPlan(frozen_half=True, generation_dtype=torch.bfloat16))
+    assert getattr(model, "_agentopsd_half_compute", False)
+    recorder = RatioRecorder()
+    fit(module, 2, recorder)
+    assert max(recorder.devs) < 1e-4, recorder.devs
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}

@@ -190,3 +190,105 @@ def test_a_lora_policys_generation_copy_is_plain_with_the_adapters_merged(folder
         name, layer = next(iter(precision.lora_layers(model).items()))
         expected = (layer.base_layer.weight.float() + layer.get_delta_weight("default").float()).to(torch.bfloat16)
         assert torch.equal(dict(half.named_modules())[name].weight, expected)
+
+
+def _half_lora(folder: str, monkeypatch) -> torch.nn.Module:
+    """What a run holds under model.dtype=auto on a CPU with native bf16: a bf16 base, float32 adapters."""
+    monkeypatch.setattr(models, "read_cpu_flags", lambda: SAPPHIRE_RAPIDS)
+    model, _ = load_policy(folder, dtype="auto", lora=LORA)
+    prepare_policy(model, None, "32-true", frozen_half=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # B starts at 0: move it so that the adapters take part
+                p.normal_(0, 0.05)
+    return model
+
+
+def test_a_half_lora_policy_multiplies_its_adapters_in_bf16_and_keeps_them_float32(folder, monkeypatch):
+    """compute_in_half: each adapter's matmul runs in bf16 (its input no longer cast to float32), while the adapter
+    weights, their gradients and AdamW's states stay float32; attention runs on float32 inputs; the logits stay
+    within bf16's rounding of the float32-adapter forward. Planted defects: a pre-hook left out keeps the adapters
+    float32 (the dtype check fails); input casting left on casts their input to float32 first."""
+    model = _half_lora(folder, monkeypatch)
+    ids = torch.tensor([[5, 9, 12, 40, 7, 3], [8, 2, 30, 6, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert precision.compute_in_half(model)
+    assert not precision.compute_in_half(model)  # once: the hooks are not stacked
+    seen: dict[str, set[torch.dtype]] = {"adapter input": set(), "adapter output": set(), "attention": set()}
+    layers = precision.lora_layers(model)
+    def record(module, args, out) -> None:
+        seen["adapter input"].add(args[0].dtype)
+        seen["adapter output"].add(out.dtype)
+
+    for layer in layers.values():
+        layer.lora_A["default"].register_forward_hook(record)
+    original = precision.float32_sdpa
+
+    def spy(module, query, *args, **kwargs):
+        out, weights = original(module, query, *args, **kwargs)
+        seen["attention"].add(query.dtype)
+        return out, weights
+
+    from transformers.modeling_utils import AttentionInterface
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, precision.FLOAT32_ATTENTION, spy)
+    logits = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert seen == {"adapter input": {torch.bfloat16}, "adapter output": {torch.bfloat16}, "attention": {torch.bfloat16}}
+    assert not torch.is_autocast_enabled("cpu")  # only inside the LoRA layers
+    keep = mask.bool()
+    assert (logits[keep] - before[keep]).abs().max() < 0.1 * before[keep].abs().max()
+    assert (logits[keep] - before[keep]).abs().max() > 0  # they did change numerics: the check above can fail
+    logits[keep].logsumexp(-1).mean().backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in trained} == {p.grad.dtype for p in trained} == {torch.float32}
+    assert all(p.grad.abs().sum() > 0 for p in trained if p.ndim == 2 and "lora_A" not in str(p.shape))
+    opt = torch.optim.AdamW(trained, lr=1e-3)
+    opt.step()
+    assert {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"} == {torch.float32}
+    assert _dtypes(model, trainable=False) == {torch.bfloat16}
+
+
+def test_float32_attention_matches_sdpa_on_float32_inputs_and_returns_the_inputs_dtype():
+    """Planted defect: without the upcast the bf16 output differs from float32 SDPA's by bf16 rounding (about 1e-2)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 1
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    mask[1, :, :, 3:] = False
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an enclosing autocast must not cast the inputs back
+        out, _ = precision.float32_sdpa(module, q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), mask)
+    half, _ = precision.float32_sdpa(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)
+    exact, _ = sdpa_attention_forward(module, q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), mask)
+    assert out.dtype == torch.float32 and torch.allclose(out, exact, atol=1e-6)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, exact.bfloat16())
+    assert (out - expected).abs().max() < 0.05
+
+
+def test_an_error_inside_a_half_lora_layer_leaves_no_autocast_on(folder, monkeypatch):
+    model = _half_lora(folder, monkeypatch)
+    precision.compute_in_half(model)
+    layer = next(iter(precision.lora_layers(model).values()))
+    with pytest.raises(RuntimeError):
+        layer(torch.zeros(1, 3, 7))  # the wrong width
+    assert not torch.is_autocast_enabled("cpu")
+    assert model(input_ids=torch.tensor([[5, 9, 12]])).logits.dtype == torch.bfloat16
+
+
+def test_the_generation_copy_of_a_half_lora_policy_runs_plain_sdpa_and_no_adapter(folder, monkeypatch):
+    """The bf16 copy that generates and scores the teacher view has no backward: bf16 SDPA is as fast forward."""
+    model = _half_lora(folder, monkeypatch)
+    precision.compute_in_half(model)
+    assert model.get_base_model().config._attn_implementation == precision.FLOAT32_ATTENTION
+    copy = half_copy(model, torch.bfloat16)
+    assert copy.config._attn_implementation == "sdpa"
+    assert model.get_base_model().config._attn_implementation == precision.FLOAT32_ATTENTION  # not shared
+    ids = torch.tensor([[5, 9, 12, 40, 7, 3]])
+    with torch.no_grad():
+        assert (copy(input_ids=ids).logits.float() - model(input_ids=ids).logits.float()).abs().max() < 0.1
+
