@@ -291,7 +291,8 @@ def _exit_autocast(layer: nn.Module, args: tuple, output: object) -> None:
 
 def compute_in_half(model: nn.Module) -> bool:
     """Make a LoRA policy over a half-precision base compute in that precision (a :class:`WeightPlan` with
-    ``frozen_half``); returns whether it changed anything (a model without LoRA, or one done before, is left alone).
+    ``frozen_half``); returns whether it changed anything (a model without LoRA or with a float32 base, or one done
+    before, is left alone).
 
     - Each LoRA layer's adapters multiply in the base's dtype under autocast, and peft no longer casts the layer's
       input to the adapters' float32 first: the adapter weights, their gradients and their AdamW states stay float32
@@ -305,6 +306,8 @@ def compute_in_half(model: nn.Module) -> bool:
     lora = lora_layers(model)
     if not lora or getattr(model, _HALF_COMPUTE, False):
         return False
+    if next(iter(lora.values())).base_layer.weight.dtype not in (torch.bfloat16, torch.float16):
+        return False  # a float32 base: its adapters compute in float32 too, as they are stored
     for layer in lora.values():
         layer.cast_input_dtype_enabled = False
         layer.register_forward_pre_hook(_enter_autocast)

@@ -209,6 +209,8 @@ def test_a_half_lora_policy_multiplies_its_adapters_in_bf16_and_keeps_them_float
     weights, their gradients and AdamW's states stay float32; attention runs on float32 inputs; the logits stay
     within bf16's rounding of the float32-adapter forward. Planted defects: a pre-hook left out keeps the adapters
     float32 (the dtype check fails); input casting left on casts their input to float32 first."""
+    assert not precision.compute_in_half(load_policy(folder, dtype="float32", lora=LORA)[0])  # a float32 base: as it is
+    assert not precision.compute_in_half(load_policy(folder, dtype="float32")[0])  # no LoRA
     model = _half_lora(folder, monkeypatch)
     ids = torch.tensor([[5, 9, 12, 40, 7, 3], [8, 2, 30, 6, 0, 0]])
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
