@@ -73,6 +73,9 @@ class Iteration:
     """Turns in the batch: each is one row through generation, scoring and the update."""
     success: float
     """The training rollout's success (sampled at the rollout temperature)."""
+    trained: float = float("nan")
+    """Rows the update trained on: under ``optim.skip_zero_advantage`` a row whose advantage is 0 costs it nothing, so
+    its time follows how the run learns (a group all won or all lost) as much as the precision."""
 
     @property
     def total(self) -> float:
@@ -146,8 +149,10 @@ def csv_iterations(rows: list[dict[str, str]]) -> list[Iteration]:
             continue
         turns = float(row.get("rollout/turns") or "nan")
         episodes = float(row.get("rollout/trajectories") or "nan")
+        skipped = float(row.get("update/zero_advantage_share") or 0.0)
         found.append(Iteration(int(float(row["step"])), *(float(row[f"perf/{p}_seconds"]) for p in PHASES),
-                               rows=turns * episodes, success=float(row.get("rollout/success") or "nan")))
+                               rows=turns * episodes, success=float(row.get("rollout/success") or "nan"),
+                               trained=turns * episodes * (1.0 - skipped)))
     return sorted(found, key=lambda it: it.iteration)
 
 
@@ -239,11 +244,14 @@ def _phase_sums(result: Result) -> dict[str, float | None]:
     for p in PHASES:
         out[p] = sum(getattr(it, p) for it in result.iterations) if result.iterations else None
     out["evaluations"] = sum(evals) if evals else None
+    trained = sum(it.trained for it in result.iterations)
+    out["update per trained row"] = out["update"] / trained if out["update"] is not None and trained > 0 else None
     return out
 
 
 COMPARE_ROWS = {"wall": "wall (whole recipe)", "warm start": "warm start", "rollout": "RL rollout",
-                "teacher": "teacher scoring (with any recompute)", "update": "update", "evaluations": "evaluations"}
+                "teacher": "teacher scoring (with any recompute)", "update": "update",
+                "update per trained row": "update per row trained (nonzero advantage)", "evaluations": "evaluations"}
 
 
 def compare_table(float32: Result, auto: Result) -> str:
@@ -255,12 +263,16 @@ def compare_table(float32: Result, auto: Result) -> str:
              "| part | float32 s | auto s | float32 s / auto s |", "|---|---|---|---|"]
     for key, name in COMPARE_ROWS.items():
         x, y = a[key], b[key]
-        cell = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        cell = lambda v: "-" if v is None else (f"{v:.3f}" if key == "update per trained row" else f"{v:.0f}")  # noqa: E731, B023
         ratio = f"**{x / y:.2f}x**" if key == "wall" and x and y else (f"{x / y:.2f}x" if x and y else "-")
         lines.append(f"| {name} | {cell(x)} | {cell(y)} | {ratio} |")
     lines.append(f"| peak RSS MiB | {float32.peak_rss_mib:.0f} | {auto.peak_rss_mib:.0f} | |")
     curve = lambda r: " / ".join(f"{100 * e['success']:.0f}%" for e in r.evals) or "-"  # noqa: E731
     lines.append(f"| greedy success at each evaluation | {curve(float32)} | {curve(auto)} | |")
+    trained = [sum(it.trained for it in r.iterations) for r in (float32, auto)]
+    lines += ["", f"Rows the update trained on: {trained[0]:.0f} (float32) and {trained[1]:.0f} (auto). Rows whose advantage "
+              "is 0 (a group all won or all lost) cost the update nothing, so its time, and the wall's, also follows how "
+              "each run learned; the time per row trained does not."]
     return "\n".join(lines)
 
 

@@ -31,8 +31,8 @@ def test_micro_runs_every_phase_both_ways_on_the_tiny_model(smollm2_recipe_bench
 
 
 def _result(bench, command: str, warm: float, phases: tuple[float, float, float], evals: list[tuple[float, float]],
-            wall: float):
-    its = [bench.Iteration(i + 1, *(p / 2 for p in phases), rows=100, success=0.5) for i in range(2)]
+            wall: float, trained: float = 100):
+    its = [bench.Iteration(i + 1, *(p / 2 for p in phases), rows=100, success=0.5, trained=trained / 2) for i in range(2)]
     return bench.Result(command=command, commit="abc1234", threads="2", returncode=0, wall_seconds=wall, peak_rss_mib=4000,
                         warm_start_steps=96, warm_start_seconds=warm, iterations=its,
                         evals=[{"when": "periodic", "iteration": 2 * k, "success": s, "episodes": 50, "at": 0, "seconds": t}
@@ -40,10 +40,14 @@ def _result(bench, command: str, warm: float, phases: tuple[float, float, float]
 
 
 def test_compare_puts_float32_and_auto_side_by_side_with_float32_over_auto(smollm2_recipe_bench):
+    """Planted defect: the time per row over every row (not the trained ones) prints 2.000 and 2.000."""
     bench = smollm2_recipe_bench
     f32 = _result(bench, "f", 600, (200, 300, 400), [(0.0, 100), (1.0, 80)], wall=2000)
-    auto = _result(bench, "a", 500, (100, 150, 400), [(0.0, 50), (0.9, None)], wall=1000)
+    auto = _result(bench, "a", 500, (100, 150, 400), [(0.0, 50), (0.9, None)], wall=1000, trained=50)
     text = bench.compare_table(f32, auto)
+    # the same update time over half the rows: twice the time per row trained
+    assert "| update per row trained (nonzero advantage) | 4.000 | 8.000 | 0.50x |" in text
+    assert "Rows the update trained on: 100 (float32) and 50 (auto)." in text
     assert "| wall (whole recipe) | 2000 | 1000 | **2.00x** |" in text
     assert "| warm start | 600 | 500 | 1.20x |" in text
     assert "| RL rollout | 200 | 100 | 2.00x |" in text  # summed over both iterations
@@ -66,3 +70,13 @@ def test_compare_runs_float32_then_auto_each_in_its_own_folder(smollm2_recipe_be
     assert bench.main(["--compare", "--threads", "2", "--out", str(tmp_path), "--report", str(report), "--", "seed=3"]) == 0
     assert calls == [(["seed=3", "model.dtype=float32"], "float32", "2"), (["seed=3"], "auto", "2")]
     assert "| wall (whole recipe) | 10 | 5 | **2.00x** |" in report.read_text()
+
+
+def test_the_rows_trained_come_from_the_csvs_zero_advantage_share(smollm2_recipe_bench):
+    rows = [{"step": "1", "perf/rollout_seconds": "10", "perf/teacher_seconds": "5", "perf/update_seconds": "8",
+             "rollout/turns": "4", "rollout/trajectories": "24", "rollout/success": "0.5", "update/zero_advantage_share": "0.75"},
+            {"step": "1", "eval/success": "0.2"},  # an evaluation row: no phases
+            {"step": "2", "perf/rollout_seconds": "10", "perf/teacher_seconds": "5", "perf/update_seconds": "8",
+             "rollout/turns": "3", "rollout/trajectories": "24", "rollout/success": "0.9"}]  # no share logged: all trained
+    its = smollm2_recipe_bench.csv_iterations(rows)
+    assert [(it.iteration, it.rows, it.trained) for it in its] == [(1, 96, 24), (2, 72, 72)]
