@@ -22,8 +22,9 @@ def pairs_study():
     return module
 
 
-def _run(wall: float, curve: list[float], commit: str = "c0ffee1234567890") -> dict:
+def _run(wall: float, curve: list[float], commit: str = "c0ffee1234567890", trained: float = 60) -> dict:
     return {"commit": commit, "threads": "1", "wall_seconds": wall,
+            "iterations": [{"iteration": 1, "trained": trained / 2}, {"iteration": 2, "trained": trained / 2}],
             "evals": [{"when": "periodic", "iteration": 2 * k, "success": s, "episodes": 50} for k, s in enumerate(curve)]}
 
 
@@ -39,8 +40,8 @@ def test_the_table_pairs_each_seeds_runs_and_gives_the_difference_auto_minus_flo
     pairs = {0: {"float32": _run(1400, [0, 1, 1, 1]), "auto": _run(700, [0, 1, 1, 1])},
              1: {"float32": _run(1500, [0, 1, 1, 1]), "auto": _run(600, [0, 0.9, 0.9, 0.9])}}
     text = pairs_study.build_table(pairs, "python studies/precision_pairs.py --seeds 0-1")
-    assert "| 0 | 0 / 100 / 100 / 100% | 0 / 100 / 100 / 100% | 1400 | 700 | 2.00x |" in text
-    assert "| 1 | 0 / 100 / 100 / 100% | 0 / 90 / 90 / 90% | 1500 | 600 | 2.50x |" in text
+    assert "| 0 | 0 / 100 / 100 / 100% | 0 / 100 / 100 / 100% | 1400 | 700 | 2.00x | 60 / 60 |" in text
+    assert "| 1 | 0 / 100 / 100 / 100% | 0 / 90 / 90 / 90% | 1500 | 600 | 2.50x | 60 / 60 |" in text
     assert "mean 2.25x, worst seed 2.00x, best 2.50x" in text
     final_line = next(line for line in text.splitlines() if line.startswith("- final greedy success"))
     assert final_line.startswith("- final greedy success: -5.0 [")
@@ -50,7 +51,9 @@ def test_the_table_pairs_each_seeds_runs_and_gives_the_difference_auto_minus_flo
 
 
 def test_one_seed_says_it_has_no_interval(pairs_study):
-    text = pairs_study.build_table({3: {"float32": _run(2, [0, 1]), "auto": _run(1, [0, 1])}}, "cmd")
+    old = {**_run(1, [0, 1]), "iterations": [{"iteration": 1}]}  # a JSON from before the count: unknown, not 0
+    text = pairs_study.build_table({3: {"float32": _run(2, [0, 1], trained=471), "auto": old}}, "cmd")
+    assert "| 2.00x | 471 / ? |" in text
     assert "- final greedy success: +0.0 (one seed: no interval)" in text
 
 
