@@ -207,8 +207,8 @@ def _half_lora(folder: str, monkeypatch) -> torch.nn.Module:
 def test_a_half_lora_policy_multiplies_its_adapters_in_bf16_and_keeps_them_float32(folder, monkeypatch):
     """compute_in_half: each adapter's matmul runs in bf16 (its input no longer cast to float32), while the adapter
     weights, their gradients and AdamW's states stay float32; attention runs on float32 inputs; the logits stay
-    within bf16's rounding of the float32-adapter forward. Planted defects: a pre-hook left out keeps the adapters
-    float32 (the dtype check fails); input casting left on casts their input to float32 first."""
+    within bf16's rounding of the float32-adapter forward. Planted defects: input casting left on casts the adapters'
+    input to float32 (the dtype check fails); the attention left as SDPA never reaches the float32 one."""
     assert not precision.compute_in_half(load_policy(folder, dtype="float32", lora=LORA)[0])  # a float32 base: as it is
     assert not precision.compute_in_half(load_policy(folder, dtype="float32")[0])  # no LoRA
     model = _half_lora(folder, monkeypatch)
