@@ -254,6 +254,14 @@ COMPARE_ROWS = {"wall": "wall (whole recipe)", "warm start": "warm start", "roll
                 "update per trained row": "update per row trained (nonzero advantage)", "evaluations": "evaluations"}
 
 
+def _seconds(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _curve(result: Result) -> str:
+    return " / ".join(f"{100 * e['success']:.0f}%" for e in result.evals) or "-"
+
+
 def compare_table(float32: Result, auto: Result) -> str:
     """The two runs of ``--compare`` side by side: seconds per part and float32 s / auto s, then peak RSS and each
     evaluation's greedy success."""
@@ -263,12 +271,12 @@ def compare_table(float32: Result, auto: Result) -> str:
              "| part | float32 s | auto s | float32 s / auto s |", "|---|---|---|---|"]
     for key, name in COMPARE_ROWS.items():
         x, y = a[key], b[key]
-        cell = lambda v: "-" if v is None else (f"{v:.3f}" if key == "update per trained row" else f"{v:.0f}")  # noqa: E731, B023
-        ratio = f"**{x / y:.2f}x**" if key == "wall" and x and y else (f"{x / y:.2f}x" if x and y else "-")
-        lines.append(f"| {name} | {cell(x)} | {cell(y)} | {ratio} |")
+        digits = 3 if key == "update per trained row" else 0  # seconds per row are fractions; the rest are whole
+        ratio = f"{x / y:.2f}x" if x and y else "-"
+        ratio = f"**{ratio}**" if key == "wall" and x and y else ratio
+        lines.append(f"| {name} | {_seconds(x, digits)} | {_seconds(y, digits)} | {ratio} |")
     lines.append(f"| peak RSS MiB | {float32.peak_rss_mib:.0f} | {auto.peak_rss_mib:.0f} | |")
-    curve = lambda r: " / ".join(f"{100 * e['success']:.0f}%" for e in r.evals) or "-"  # noqa: E731
-    lines.append(f"| greedy success at each evaluation | {curve(float32)} | {curve(auto)} | |")
+    lines.append(f"| greedy success at each evaluation | {_curve(float32)} | {_curve(auto)} | |")
     trained = [sum(it.trained for it in r.iterations) for r in (float32, auto)]
     lines += ["", f"Rows the update trained on: {trained[0]:.0f} (float32) and {trained[1]:.0f} (auto). Rows whose advantage "
               "is 0 (a group all won or all lost) cost the update nothing, so its time, and the wall's, also follows how "

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,16 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.studies.loader import load_study
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def arms():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("arms", ROOT / "studies" / "arms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("arms")
 
 
 def _summary(arm: str, seed: int, curve: list[float], lengths: dict[str, list[float]], warm: str = "w") -> dict:

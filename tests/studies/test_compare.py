@@ -3,21 +3,19 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.studies.loader import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("compare", ROOT / "studies" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("compare")
 
 
 def _fake_run(run_dir: Path, train_success: list[float], eval_success: float, corr: float | None) -> None:

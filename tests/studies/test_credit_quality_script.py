@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.studies.loader import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def cq():
-    spec = importlib.util.spec_from_file_location("credit_quality_script", ROOT / "studies" / "credit_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["credit_quality_script"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_study("credit_quality")
 
 
 def _run(tmp_path: Path, warm: dict) -> Path:

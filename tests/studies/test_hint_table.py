@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import subprocess
 import sys
@@ -11,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.studies.loader import load_study
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ht():
-    spec = importlib.util.spec_from_file_location("hint_table_script", ROOT / "studies" / "hint_table.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hint_table_script"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_study("hint_table")
 
 
 def _row(label: str, split: str, diff: str = "0.1", *, model: str = "tiny", stage: str = "before warm start",

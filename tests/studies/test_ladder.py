@@ -3,7 +3,6 @@ and one tiny grid end to end (slow)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,16 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.studies.loader import load_study
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ladder():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("ladder", ROOT / "studies" / "ladder.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("ladder")
 
 
 def test_slope_is_exact_on_a_line_and_nan_without_two_rungs(ladder) -> None:

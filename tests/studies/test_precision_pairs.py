@@ -3,23 +3,19 @@ the paired statistics, and a sitting that keeps the seeds done before."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.studies.loader import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def pairs_study():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("precision_pairs", ROOT / "studies" / "precision_pairs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("precision_pairs")
 
 
 def _run(wall: float, curve: list[float], commit: str = "c0ffee1234567890", trained: float = 60) -> dict:

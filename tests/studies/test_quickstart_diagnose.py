@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+
+from tests.studies.loader import load_study
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def qd():
-    spec = importlib.util.spec_from_file_location("quickstart_diagnose", ROOT / "studies" / "quickstart_diagnose.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("quickstart_diagnose")
 
 
 def _traj(group: int, success: bool, actions: list[str], adv: float) -> dict:

@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.studies.loader import load_study
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def qs():
-    spec = importlib.util.spec_from_file_location("quickstart_seeds", ROOT / "studies" / "quickstart_seeds.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_study("quickstart_seeds")
 
 
 def _write_log(run_dir: Path, version: int, evals: dict[int, float], train: list[float]) -> None:
