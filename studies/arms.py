@@ -160,6 +160,17 @@ def summarize(run_dir: Path, arm: str, seed: int, iterations: int, meta: dict, b
             "diagnostics": {k: v for k, v in diagnostics.items() if v}}
 
 
+def unrecorded_stretch(meta: dict, run_dir: Path) -> float:
+    """Seconds a stretch of training ran before it was killed with its driver (the end of a sitting), so that
+    ``wall_s`` counts every stretch: from the stretch's recorded start to the last write to the run's logs. 0 when
+    the last stretch returned and recorded its own time (``started`` is then None)."""
+    started = meta.get("started")
+    if started is None:
+        return 0.0
+    writes = [p.stat().st_mtime for p in (run_dir / "stdout.log", run_dir / "train.log") if p.exists()]
+    return max(0.0, max(writes, default=started) - started)
+
+
 def run_arm(out: Path, code: Path, commit: str, identity: str, arm: str, seed: int, iterations: int,
             overrides: list[str], weights: Path, before: dict, keep_policies: bool) -> dict:
     """Train (or resume) one arm at one seed and summarise it; a summary made earlier is read back."""
@@ -174,16 +185,19 @@ def run_arm(out: Path, code: Path, commit: str, identity: str, arm: str, seed: i
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             meta = {}
-        # written before training too: a run killed with this process (the end of a sitting) resumes next time
-        meta = {"commit": commit, "code": identity, "warm": file_digest(weights), "wall_s": meta.get("wall_s", 0.0),
-                "resumed": meta.get("resumed", 0) + resume, "peak_rss_mb": meta.get("peak_rss_mb", 0.0)}
+        # written before training too: a run killed with this process (the end of a sitting) resumes next time, and
+        # ``started`` lets that next time count the killed stretch's seconds, which this process never recorded
+        meta = {"commit": commit, "code": identity, "warm": file_digest(weights),
+                "wall_s": meta.get("wall_s", 0.0) + unrecorded_stretch(meta, run_dir),
+                "resumed": meta.get("resumed", 0) + resume, "peak_rss_mb": meta.get("peak_rss_mb", 0.0), "started": time.time()}
         _write_json(meta_path, meta)
         extra = ["evaluation.before_training=false", f"warm_start.weights={weights}",
                  f"checkpoint.keep_policies={str(keep_policies).lower()}", *([f"ckpt_path={last}"] if resume else [])]
         start = time.monotonic()
         rc = _train(code, run_dir, overrides, arm, seed, iterations, extra)
         rss = _peak_rss_mb(run_dir)  # NaN when the run was killed by a signal: the earlier stretch's peak stands
-        meta.update(wall_s=meta["wall_s"] + time.monotonic() - start, peak_rss_mb=max(meta["peak_rss_mb"], rss) if rss == rss else meta["peak_rss_mb"])
+        meta.update(wall_s=meta["wall_s"] + time.monotonic() - start, started=None,
+                    peak_rss_mb=max(meta["peak_rss_mb"], rss) if rss == rss else meta["peak_rss_mb"])
         _write_json(meta_path, meta)
         if rc != 0 or iterations not in eval_rows(log_rows(run_dir)):
             raise RuntimeError(f"{arm} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,38 @@ def test_a_study_without_its_baseline_is_refused(arms, tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_a_stretch_killed_with_its_sitting_still_counts_in_the_runs_wall_time(arms, tmp_path: Path, monkeypatch) -> None:
+    """A sitting ends by killing the driver mid-run: that stretch never recorded its seconds. The next sitting reads
+    them back from the stretch's start and the last write to the run's logs. Planted defect: without that, the
+    resumed run's wall is 50 s (the recorded stretch) plus this one's."""
+    run_dir = tmp_path / "runs" / "grpo-s0"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "checkpoints" / "last.ckpt").write_text("checkpoint")
+    weights = tmp_path / "policy.pt"
+    weights.write_text("weights")
+    started = time.time() - 1000
+    (run_dir / "meta.json").write_text(json.dumps({"commit": "c", "code": "id", "warm": arms.file_digest(weights), "wall_s": 50.0,
+                                                   "resumed": 0, "peak_rss_mb": 1.0, "started": started}))
+    log = run_dir / "train.log"
+    log.write_text("the killed stretch's last line\n")
+    os.utime(log, (started + 600, started + 600))
+    calls = []
+
+    def fake_train(code, run_dir, overrides, arm, seed, iterations, extra) -> int:
+        calls.append(extra)
+        return 0
+
+    monkeypatch.setattr(arms, "_train", fake_train)
+    monkeypatch.setattr(arms, "log_rows", lambda run_dir: [])
+    monkeypatch.setattr(arms, "eval_rows", lambda rows: {2: {}} if calls else {})
+    monkeypatch.setattr(arms, "summarize", lambda run_dir, arm, seed, iterations, meta, before: meta)
+    meta = arms.run_arm(tmp_path, tmp_path, "c", "id", "grpo", 0, 2, [], weights, {}, False)
+    assert any(e.startswith("ckpt_path=") for e in calls[0])  # it resumed
+    assert 650 <= meta["wall_s"] < 660 and meta["resumed"] == 1
+    assert meta["started"] is None  # this stretch returned and recorded its own seconds
+    assert arms.unrecorded_stretch(meta, run_dir) == 0.0
+
+
 def test_a_tiny_study_shares_one_warm_start_archives_the_evidence_and_resumes(tmp_path) -> None:
     tiny = ["experiment=keydoor", "warm_start.episodes=20", "warm_start.steps=2", "data.tasks_per_batch=2",
             "data.group_size=2", "evaluation.num_tasks=4", "evaluation.every_n_iterations=1", "model.hidden_size=32",
