@@ -116,7 +116,6 @@ def test_a_study_without_its_baseline_is_refused(arms, tmp_path) -> None:
         arms.main(["--arms", "agentopsd", "--out", str(tmp_path)])
 
 
-@pytest.mark.slow
 def test_a_stretch_killed_with_its_sitting_still_counts_in_the_runs_wall_time(arms, tmp_path: Path, monkeypatch) -> None:
     """A sitting ends by killing the driver mid-run: that stretch never recorded its seconds. The next sitting reads
     them back from the stretch's start and the last write to the run's logs. Planted defect: without that, the
@@ -149,6 +148,7 @@ def test_a_stretch_killed_with_its_sitting_still_counts_in_the_runs_wall_time(ar
     assert arms.unrecorded_stretch(meta, run_dir) == 0.0
 
 
+@pytest.mark.slow
 def test_a_tiny_study_shares_one_warm_start_archives_the_evidence_and_resumes(tmp_path) -> None:
     tiny = ["experiment=keydoor", "warm_start.episodes=20", "warm_start.steps=2", "data.tasks_per_batch=2",
             "data.group_size=2", "evaluation.num_tasks=4", "evaluation.every_n_iterations=1", "model.hidden_size=32",
