@@ -10,8 +10,6 @@ import pytest
 
 from tests.studies.loader import load_study
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def compare():

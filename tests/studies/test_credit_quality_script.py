@@ -9,8 +9,6 @@ import yaml
 
 from tests.studies.loader import load_study
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def cq():

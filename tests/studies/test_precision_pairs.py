@@ -4,13 +4,10 @@ the paired statistics, and a sitting that keeps the seeds done before."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.studies.loader import load_study
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

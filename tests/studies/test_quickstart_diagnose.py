@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
 from tests.studies.loader import load_study
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,6 @@ import pytest
 
 from tests.studies.loader import load_study
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def qs():
