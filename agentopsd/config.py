@@ -101,6 +101,16 @@ class RolloutConfig:
     path loses the teacher forward. ``worker`` suits credit-only algorithms (AgentOPSD, StepOPSD, RLSD); those
     that distil the teacher view into the loss need it at the update. ``auto``: ``worker`` where it applies
     (``max_staleness > 0``, ``backend=hf``, an algorithm that does not distil), ``trainer`` elsewhere."""
+    teacher_skip_zero_advantage: bool = False
+    """Score the teacher view only on the turns of trajectories whose sequence advantage is not 0, where the
+    algorithm's credit only scales that advantage (AgentOPSD, StepOPSD, RLSD: ``A_seq * ((1 - lam) + lam * w)``
+    is 0 whatever ``w`` is). A group whose copies all won or all lost is such a group, and late in a run most
+    are: their teacher forwards change no advantage. Their turns' evidence is then not measured: the ``credit/``
+    statistics cover the scored trajectories only, and the rollout shards mark the others ``teacher_scored:
+    false`` and log no evidence for them. false (the default): score every turn, so that the diagnostics, the run
+    report's credit figures and the credit studies see every trajectory's evidence. ``experiment=smollm2`` turns
+    it on, where the teacher forward is a large share of a CPU run's iteration. No effect where the rollout worker
+    scores the teacher view (``teacher_scoring=worker``)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("hf", "vllm"):

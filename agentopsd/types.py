@@ -130,6 +130,7 @@ class RolloutBatch:
     turn_advantages: Tensor | None = None  # [M] At_k per turn row (credit callback)
     advantages: Tensor | None = None  # [M, L] per-token advantages used by the objective
     credit: dict[str, Tensor] = field(default_factory=dict, repr=False)  # B_k, dB_k, w_k for logging
+    teacher_scored: Tensor | None = None  # [B] bool: trajectories whose teacher view was scored (None: all; rollout.teacher_skip_zero_advantage)
 
     @property
     def num_rows(self) -> int:

@@ -30,11 +30,16 @@ from agentopsd.credit.algorithms import Algorithm
 from agentopsd.training.distributed import reduce_metrics
 
 
-def credit_statistics(credit: Mapping[str, Tensor], success: Tensor, band: float) -> dict[str, float]:
+def credit_statistics(credit: Mapping[str, Tensor], success: Tensor, band: float,
+                      scored: Tensor | None = None) -> dict[str, float]:
     """``credit/`` metrics: mean |dB|, share of multipliers at the band edges, evidence spread,
     and the correlation of e_k with the outcome (does the teacher's evidence predict success?).
-    GiGPO's credit gives the share of turns in a shared step group and the spread of A_step."""
+    GiGPO's credit gives the share of turns in a shared step group and the spread of A_step.
+    ``scored`` (``[B]`` bool): the trajectories whose teacher view was scored (``RolloutBatch.teacher_scored``);
+    the statistics cover those only, the others' evidence being 0 by omission, not by measurement."""
     mask = credit["turn_mask"]
+    if scored is not None:
+        mask = mask & scored.to(mask.device)[:, None]
     if not bool(mask.any()):
         return {}
     if "step_groups" in credit:
@@ -96,7 +101,8 @@ class CreditCallback(L.Callback):
             stats["credit/lambda"] = float(lam)
         if credit:
             success = batch["success"] if isinstance(batch, Mapping) else batch.success
-            stats.update(credit_statistics(credit, success, getattr(algo, "mult_band", 0.2)))
+            scored = batch.get("teacher_scored") if isinstance(batch, Mapping) else getattr(batch, "teacher_scored", None)
+            stats.update(credit_statistics(credit, success, getattr(algo, "mult_band", 0.2), scored))
         bs = int((batch["success"] if isinstance(batch, Mapping) else batch.success).shape[0])
         # every rank's trajectories count (one collective when several processes train; none otherwise)
         stats = reduce_metrics(stats, "credit/metrics", weight=bs, rule=lambda key: "max" if key.endswith("_seconds") else "mean")

@@ -16,6 +16,8 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
     """JSON-ready records: each turn's action, observation, B_k, dB_k, w_k, advantage and token gaps.
 
     ``iteration``: the iteration's number, counted like every log (iterations completed by its update).
+    A trajectory whose teacher view was not scored (``RolloutBatch.teacher_scored``) is marked ``teacher_scored:
+    false`` and logs no gaps, beliefs, revisions, multipliers or evidence: it had no evidence to measure.
     """
     credit = batch.credit
     turn_adv = batch.turn_advantages
@@ -24,9 +26,12 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
         # each action token's gap delta_t (teacher view minus student view): the per-token credit rules need them
         gaps = (batch.teacher_logprobs.float() - batch.student_logprobs.float()).cpu()
         action = batch.action_mask.bool().cpu()
+    scored = None if batch.teacher_scored is None else batch.teacher_scored.tolist()
     records = []
     row = 0
     for i, traj in enumerate(batch.trajectories):
+        # a trajectory whose teacher view was not scored (A_seq = 0) has no evidence to log, and credit from none
+        measured = scored is None or scored[i]
         turns = []
         for turn in traj.turns:
             entry = {"k": turn.index, "action": turn.parsed_action or turn.action_text, "observation": turn.observation, "reward": turn.reward, "valid": turn.valid,
@@ -34,9 +39,9 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
                      "policy_version": turn.policy_version}  # the weights that generated it (updates done before them)
             if turn_adv is not None and turn_adv.ndim == 1:
                 entry["advantage"] = float(turn_adv[row])
-            if gaps is not None and i < max_samples:
+            if gaps is not None and i < max_samples and measured:
                 entry["gaps"] = gaps[row][action[row]].tolist()
-            if credit and credit["turn_mask"].shape[1] > turn.index and not credit.get("token_level", False):
+            if credit and measured and credit["turn_mask"].shape[1] > turn.index and not credit.get("token_level", False):
                 for name in ("beliefs", "revisions", "multipliers", "evidence"):
                     if credit[name].shape[1] > turn.index:
                         entry[name[:-1] if name.endswith("s") else name] = float(credit[name][i, turn.index])
@@ -48,6 +53,8 @@ def trajectory_records(batch: RolloutBatch, max_samples: int, iteration: int) ->
                 "success": traj.success, "score": traj.score, "task_type": traj.task_type, "skill": traj.skill_text,
                 "seq_advantage": float(batch.seq_advantages[i]), "turns": turns,
             })
+            if not measured:
+                records[-1]["teacher_scored"] = False
     return records
 
 

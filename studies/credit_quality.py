@@ -82,6 +82,10 @@ def load_run(run: Path) -> tuple[dict, list[LoggedTrajectory]]:
             for member in tar.getmembers():
                 if member.name.endswith(".json"):
                     rec = json.loads(tar.extractfile(member).read())
+                    if not rec.get("teacher_scored", True):
+                        # rollout.teacher_skip_zero_advantage: a group with A_seq = 0 logged no evidence, so every
+                        # signal is read on the groups that have it (whole groups: A_seq = 0 is a group's property)
+                        continue
                     trajs.append(LoggedTrajectory.from_record(rec, run=run.name, algorithm=cfg["algorithm"]["name"]))
     return cfg, trajs
 

@@ -173,6 +173,10 @@ class Algorithm:
     copies weighs under half a half-won group instead of as much (``results/quickstart_seeds/README.md``)."""
 
     needs_teacher = False
+    teacher_scales_advantage = False
+    """The teacher view's log-probs only scale each row's sequence advantage (``mix_advantages``), so a row whose
+    A_seq is 0 gets advantage 0 whatever they are: its teacher forward may be skipped
+    (``rollout.teacher_skip_zero_advantage``). Not so for a credit that adds to A_seq, nor a distillation loss."""
     needs_teacher_logits = False
     """The update keeps the student's full-vocabulary logits and runs a no-grad teacher-view forward per
     micro-batch (dummy passes too: the count depends on the algorithm alone) for :meth:`logits_loss`."""
@@ -251,6 +255,7 @@ class AgentOPSD(Algorithm):
     """Run the same recursion over tokens instead of turns (the per-token ablation)."""
 
     needs_teacher = True
+    teacher_scales_advantage = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -349,6 +354,7 @@ class RLSD(Algorithm):
     lambda_warmdown_steps: int = 0
     """Decay lam linearly to 0 over this many iterations (0 = constant; the public runs: 100)."""
     needs_teacher = True
+    teacher_scales_advantage = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -381,6 +387,7 @@ class StepOPSD(Algorithm):
     mult_lambda: float = 0.5
     mult_band: float = 0.2
     needs_teacher = True
+    teacher_scales_advantage = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -401,6 +401,14 @@ def views_differ(ids: Tensor, attn: Tensor, teacher_ids: Tensor, teacher_attn: T
     return differ
 
 
+def teacher_scored_trajectories(seq_advantages: Tensor) -> Tensor:
+    """``[B]`` bool: the trajectories whose teacher view an algorithm that only scales the sequence advantage
+    (:attr:`agentopsd.credit.algorithms.Algorithm.teacher_scales_advantage`) needs: those with A_seq != 0. The
+    others' advantage is ``0 * ((1 - lam) + lam * w) = 0`` whatever their evidence. Exactly 0: a group whose
+    rewards are all equal centres to 0 exactly (:func:`agentopsd.credit.advantages.grpo_advantages`)."""
+    return seq_advantages != 0
+
+
 def _trimmed(ids: Tensor, attn: Tensor, amask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The rows cut to their longest real length, and ``source``: the positions whose hidden
     state predicts an action token (position j-1 predicts token j)."""
@@ -530,7 +538,8 @@ class Scorer:
         return out
 
     def score_rollout(self, rb: RolloutBatch, *, recompute_old: bool, with_teacher: bool,
-                      tis_cap: float | None, teacher_model: nn.Module | None = None) -> tuple[float, Tensor | None]:
+                      tis_cap: float | None, teacher_model: nn.Module | None = None,
+                      teacher_rows: Tensor | None = None) -> tuple[float, Tensor | None]:
         """A rollout batch's no-grad scores, written into ``rb``: the behaviour log-probs recomputed by the
         trainer's forward when ``recompute_old`` (with truncated importance weights capped at ``tis_cap`` when
         one is given), the student's, and the teacher view's when ``with_teacher``. Returns the tokens scored
@@ -540,7 +549,9 @@ class Scorer:
         worker``), no teacher forward runs here: the evidence is that engine's teacher minus behaviour log-probs,
         two views scored by the same weights (the ones that generated each turn). ``teacher_model`` (the generator's
         bf16 copy, :func:`agentopsd.rollout.factory.generation_copy`) scores the teacher view here the same way:
-        against the generator's own log-probs, so the gap compares two views of one set of weights."""
+        against the generator's own log-probs, so the gap compares two views of one set of weights.
+        ``teacher_rows`` (``[M]`` bool): score the teacher view on these rows only (``rollout.teacher_skip_zero_advantage``);
+        the others' teacher log-probs are the student's, a gap of 0, as on rows whose two views are one context."""
         scored, backend_gap = 0.0, None
         generated = rb.old_logprobs
         if recompute_old:
@@ -553,6 +564,8 @@ class Scorer:
             if teacher_model is not None:
                 rb.student_logprobs = generated
             rows = views_differ(rb.input_ids, rb.attention_mask, rb.teacher_input_ids, rb.teacher_attention_mask)
+            if teacher_rows is not None:
+                rows = rows & teacher_rows.to(rows.device)
             rows = rows.nonzero().flatten()
             # the same view scored by the same weights: the student's log-probs (those the gap is taken against)
             rb.teacher_logprobs = rb.student_logprobs.clone()

@@ -36,8 +36,9 @@ ROW_VECTORS = ("turn_traj", "turn_index", "turn_valid", "turn_penalties", "turn_
 """Per-row ``[M]`` fields: moved with their row (``turn_traj`` and ``turn_state`` renumbered)."""
 TRAJECTORY_FIELDS = ("success", "rewards", "group_ids", "seq_advantages", "num_turns")
 """Per-trajectory ``[B]`` fields: a balanced batch holds those of the trajectories its rows belong to."""
-DROPPED_FIELDS = ("trajectories", "credit")
-"""Records of the batch as played (Python trajectories, credit logs): empty in a balanced batch."""
+DROPPED_FIELDS = ("trajectories", "credit", "teacher_scored")
+"""Records of the batch as played (Python trajectories, credit logs, which trajectories the teacher scored): empty in
+a balanced batch."""
 PAD_WITH_ID = ("input_ids", "teacher_input_ids")
 """Token fields padded with the pad id (every other field pads with 0 / False)."""
 

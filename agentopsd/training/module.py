@@ -36,6 +36,7 @@ from agentopsd.rollout.scoring import (
     Scorer,
     effective_tis_cap,
     engine_gap_metrics,
+    teacher_scored_trajectories,
     warn_on_logprob_gap,
 )
 from agentopsd.rollout.source import LockstepRollouts, Placement, WorkerSettings, make_rollout_source
@@ -213,10 +214,12 @@ class AgentRLModule(L.LightningModule):
             with self._phase("scoring"), torch.no_grad(), self._compute_precision():
                 teacher_model = factory.generation_copy(self.rollouts.built_collector)
                 deferred = self.defers_recompute(rb, teacher_model)
+                rb.teacher_scored = self.teacher_scored(rb)
                 # under a mixed precision the behaviour log-probs are the training forward's, in the update's precision
                 scored, backend_gap = self.scorer.score_rollout(
                     rb, recompute_old=self.recompute_old_logprobs and not deferred, with_teacher=self.algorithm.needs_teacher,
-                    tis_cap=self.tis_cap, teacher_model=teacher_model)
+                    tis_cap=self.tis_cap, teacher_model=teacher_model,
+                    teacher_rows=None if rb.teacher_scored is None else rb.teacher_scored[rb.turn_traj])
                 self._recompute_pending = (rb, got.row_staleness) if deferred else None
                 if self.ref_model is not None:
                     if not self._sharded:  # under FSDP2 fully_shard placed it already
@@ -234,6 +237,8 @@ class AgentRLModule(L.LightningModule):
         # faulted trajectories are left out of the update: this says how many were used
         metrics["rollout/trajectories_used"] = float(rb.num_trajectories)
         metrics["perf/teacher_tokens_per_s"] = scored / max(t_teacher, 1e-9)
+        if rb.teacher_scored is not None:  # the share of trajectories whose teacher forward was skipped: A_seq = 0
+            metrics["rollout/teacher_skipped_share"] = float((~rb.teacher_scored).float().mean())
         metrics.update(engine_gap_metrics(backend_gap, rb, self.tis_cap or 0.0, got.row_staleness))
         # every rank's episodes count: rates weighted by trajectories, counts and throughputs summed
         self.rollout_metrics = reduce_metrics(metrics, "rollout/metrics", weight=len(trajectories), rule=metric_rule)
@@ -256,6 +261,17 @@ class AgentRLModule(L.LightningModule):
         # bf16 weights generated (agentopsd.training.precision): the behaviour log-probs are not the update's numerics either
         return (self.rollout_cfg.recompute_old_logprobs or self.mixed_precision or self.rollouts.off_policy
                 or self.weight_plan.half_rollout)
+
+    def teacher_scored(self, rb: RolloutBatch) -> Tensor | None:
+        """``[B]`` bool, the trajectories whose teacher view is scored, or None for all: with
+        ``rollout.teacher_skip_zero_advantage`` and an algorithm whose credit only scales the sequence advantage, the
+        trajectories with A_seq != 0 (:func:`agentopsd.rollout.scoring.teacher_scored_trajectories`). Not where the
+        rollout worker scored the view already (``rollout.teacher_scoring=worker``): nothing is left to save."""
+        algo = self.algorithm
+        if not (self.rollout_cfg.teacher_skip_zero_advantage and algo.needs_teacher and algo.teacher_scales_advantage) \
+                or rb.engine_teacher_logprobs is not None:
+            return None
+        return teacher_scored_trajectories(rb.seq_advantages)
 
     def defers_recompute(self, rb: RolloutBatch, teacher_model: nn.Module | None) -> bool:
         """The behaviour log-probs are recomputed at the start of the update, for the rows it trains on only,

@@ -76,3 +76,21 @@ def test_pair_class_table_lists_the_most_frequent_classes_with_both_signals(cq) 
     assert lines[-1] == "| agentopsd | S9 | door:0 | routine:- | 4 | 0.25 | 0.75 |"
     assert sum(line.startswith("| agentopsd") for line in lines) == 1  # top=1: the most frequent class only
     assert cq.pair_class_table({}) == []
+
+
+def test_trajectories_whose_teacher_was_not_scored_are_left_out(cq, tmp_path) -> None:
+    """Under ``rollout.teacher_skip_zero_advantage`` a group with A_seq = 0 logged no evidence (``teacher_scored:
+    false``): every signal is read on the groups that have it, not the evidence on some and the advantage on all."""
+    from agentopsd.callbacks.rollout_logging import write_shard
+
+    turn = {"k": 0, "action": "pick up", "observation": "", "reward": 1.0, "valid": True, "advantage": 0.0}
+    record = {"iteration": 1, "env": "BabyAI-PickupObj", "task_index": 0, "group": 0, "success": True, "score": 1.0,
+              "task_type": "", "skill": "", "seq_advantage": 0.0, "turns": [turn]}
+    scored = {**record, "group": 1, "task_index": 1, "seq_advantage": 0.5,
+              "turns": [{**turn, "advantage": 0.5, "evidence": 0.3, "gaps": [0.3]}]}
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"algorithm": {"name": "agentopsd"}}))
+    write_shard(run / "rollouts" / "rollouts-000001.tar", [{**record, "teacher_scored": False}, scored])
+    _, trajs = cq.load_run(run)
+    assert [t.task_index for t in trajs] == [1]

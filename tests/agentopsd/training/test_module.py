@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -73,6 +75,8 @@ def _task_batch(i: int):
 
 def test_teacher_view_without_skills_equals_student(tiny_walk_policy):
     module = make_module(tiny_walk_policy)
+    # every group of this batch lost: only with every trajectory scored does the teacher view get a forward here
+    module.rollout_cfg = dataclasses.replace(module.rollout_cfg, teacher_skip_zero_advantage=False)
     module.trainer = None
     batch = module.rollout(_task_batch(0))
     assert batch.teacher_logprobs is not None
