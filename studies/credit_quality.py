@@ -363,7 +363,7 @@ def rules_table(rule_cells: dict, args: argparse.Namespace) -> list[dict]:
     """One row per (truth, env, stage, rule): the rule's quality and AgentOPSD's paired advantage over it."""
     rows = []
     for (truth, level, stage), items in sorted(rule_cells.items(), key=lambda kv: (kv[0][0], kv[0][1], stage_key(kv[0][2]))):
-        margin = args.margin if truth == "expert" else args.mc_margin
+        margin = args.margin if truth.startswith("expert") else args.mc_margin
         for rule in RULES:
             have = [item for item in items if rule in item[1]]  # the token rules: only where token gaps were logged
             if not have:
@@ -449,6 +449,8 @@ def main() -> None:
                 # the credit alone, without the per-turn penalties the advantage also carries
                 signals["credit"] = [float(np.sign(traj.seq_advantage)) * t.signals["multiplier"] for t in traj.turns]
             truths = {("expert", stage_of(traj.iteration, last)): gains}
+            if traj.seq_advantage != 0:  # where the credit acts: with A_seq = 0 every credit signal is 0 and ties
+                truths[("expert_nonzero", stage_of(traj.iteration, last))] = gains
             if id(traj) in mc:
                 truths[("mc", f"iter{mc_iteration[id(traj)]}")] = mc[id(traj)]
                 if mc_iteration[id(traj)] > 1:  # during RL: every Monte Carlo iteration after the first, pooled
@@ -458,7 +460,7 @@ def main() -> None:
                     sig, tru = cells[(truth, traj.algorithm, level, stage, name)]
                     sig.append(values)
                     tru.append(values_t)
-                if id(traj) in rules:
+                if id(traj) in rules and truth != "expert_nonzero":  # every rule ties at A_seq = 0: no new ordering
                     # informed turns: the teacher view held something the student view did not
                     rule_cells[(truth, level, stage)].append((run.name, rules[id(traj)], values_t,
                                                               [kind != "routine" for kind in kinds]))
@@ -478,7 +480,7 @@ def main() -> None:
     rows = []
     for (truth, alg, level, stage, name), (sig, tru) in sorted(cells.items(), key=lambda kv: (
             kv[0][0], kv[0][1], kv[0][2], stage_key(kv[0][3]), SIGNAL_ORDER.index(kv[0][4]))):
-        margin = args.margin if truth == "expert" else args.mc_margin
+        margin = args.margin if truth.startswith("expert") else args.mc_margin
         q = credit_quality(sig, tru, margin=margin, resamples=args.resamples)
         rows.append({"truth": truth, "algorithm": alg, "env": level, "stage": stage, "signal": name,
                      "trajectories": len(sig), "rank_corr": q.rank_correlation.fmt(), "rank_corr_n": q.rank_correlation.n,
@@ -491,7 +493,10 @@ def main() -> None:
              f"against the ground truth ({n_traj} trajectories; 95% bootstrap intervals over trajectories). "
              f"Commit {commit}.", "",
              f"Truth `expert`: the BabyAI bot's remaining path saved by the turn (margin {args.margin}); stages are thirds "
-             f"of each run's logged iterations. Truth `mc`: Monte Carlo turn advantage V(s_k+1) - V(s_k) with "
+             f"of each run's logged iterations. Truth `expert_nonzero`: the same, over the trajectories with A_seq != 0 "
+             "only, where the credit acts: with A_seq = 0 every credit signal (`credit`, `advantage`) is 0 on every turn "
+             "and ties at 0.5, while `evidence` and `revision` still order the turns, so only these rows compare them "
+             "on equal terms. Truth `mc`: Monte Carlo turn advantage V(s_k+1) - V(s_k) with "
              f"{args.mc_samples} continuations per state under the policy that sampled the iteration (iterations "
              f"{', '.join(map(str, args.mc_iterations))}; margin {args.mc_margin}"
              f"{'' if args.mc_every else '; only trajectories with A_seq != 0, the others tie under every credit rule'}). "

@@ -231,6 +231,8 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
         {"algorithm": {"name": "agentopsd"}, "env": {"id": PICKUP, "max_turns": 6}}))
     records = [_log(PICKUP, i, ["turn left", "go forward", "drop", "turn right", "go forward", "pick up"], 6)
                for i in range(4)]
+    for record in records[:2]:  # a group all won or all lost: no credit on its turns
+        record["seq_advantage"] = 0.0
     write_shard(run / "rollouts" / "rollouts-000001.tar", records)
     out = tmp_path / "table"
     root = Path(__file__).resolve().parents[3]
@@ -240,6 +242,9 @@ def test_credit_quality_command_on_a_logged_run(tmp_path) -> None:
     table = (out / "table.md").read_text()
     assert "| expert | agentopsd | BabyAI-PickupObj-v0 | early | uniform | 4 | 0.000 [0.000, 0.000]" in table
     assert "| 0.500 [0.500, 0.500] |" in table and "| evidence |" in table
+    # the same truth over the trajectories with A_seq != 0 alone, where the credit acts
+    assert "| expert | agentopsd | BabyAI-PickupObj-v0 | early | evidence | 4 |" in table
+    assert "| expert_nonzero | agentopsd | BabyAI-PickupObj-v0 | early | evidence | 2 |" in table
     assert (out / "table.csv").read_text().startswith("truth,algorithm,env,stage,signal")
     # the expert's paths are kept beside the run (one per trajectory: before each turn, and after the last)
     import json
