@@ -28,6 +28,7 @@ from torch import Tensor
 
 from agentopsd.credit.algorithms import Algorithm
 from agentopsd.training.distributed import reduce_metrics
+from agentopsd.training.step_log import log_step
 
 
 def credit_statistics(credit: Mapping[str, Tensor], success: Tensor, band: float,
@@ -75,6 +76,7 @@ class CreditCallback(L.Callback):
         self.log_stats = log_stats
         self.last_stats: dict[str, float] = {}
         self.seconds = 0.0
+        self._logged_keys: set[str] = set()  # a statistic an iteration lacks logs NaN, not its last value
 
     def _algorithm(self, pl_module: L.LightningModule) -> Algorithm:
         algo = self.algorithm or getattr(pl_module, "algorithm", None)
@@ -108,4 +110,4 @@ class CreditCallback(L.Callback):
         stats = reduce_metrics(stats, "credit/metrics", weight=bs, rule=lambda key: "max" if key.endswith("_seconds") else "mean")
         self.last_stats = stats
         if self.log_stats:
-            pl_module.log_dict(stats, on_step=True, batch_size=bs)
+            log_step(pl_module, stats, self._logged_keys, batch_size=bs)

@@ -50,6 +50,7 @@ from agentopsd.training.offload import offload_optimizer_states, restore_optimiz
 from agentopsd.training.oom import out_of_memory_ends_the_job
 from agentopsd.training.precision import FLOAT32_PLAN, WeightPlan, compute_in_half, plan_for_config
 from agentopsd.training.preemption import Preempted, RolloutStopped, StopRequest
+from agentopsd.training.step_log import log_step
 from agentopsd.training.strategies import frozen_copy, place_reference, prepare_policy
 from agentopsd.training.update import SHARED_TERMS, Seams, adamw_with_schedule, metric_rule, ppo_update
 from agentopsd.types import RolloutBatch, TaskSpec
@@ -144,6 +145,8 @@ class AgentRLModule(L.LightningModule):
         self.iterations_done = 0
         """Completed iterations (updates made)."""
         self.stop_request = StopRequest()
+        self._logged_keys: tuple[set[str], set[str]] = (set(), set())
+        """The keys :meth:`training_step` logged so far (metrics, progress bar): absent later, they log NaN (:func:`log_step`)."""
         """Set by a signal handler (agentopsd.callbacks.preemption): rollouts and evaluations stop between turns."""
 
     # ------------------------------------------------------------------ sharding
@@ -371,10 +374,11 @@ class AgentRLModule(L.LightningModule):
         self.rollouts.publish(self.model, self.iterations_done)  # a worker's turns from now on play the updated weights
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
         # "step": the loggers' x axis is completed iterations (not optimizer steps), as in the evaluation rows
-        self.log_dict({k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)}, on_step=True,
-                      batch_size=batch.num_trajectories)
+        # a key this iteration did not measure logs NaN, not the last iteration's value (agentopsd.training.step_log)
+        log_step(self, {k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)},
+                 self._logged_keys[0], batch_size=batch.num_trajectories)
         # the rich progress bar shows the rollout: success and turns per episode
-        self.log_dict(shown, on_step=True, prog_bar=True, batch_size=batch.num_trajectories)
+        log_step(self, shown, self._logged_keys[1], prog_bar=True, batch_size=batch.num_trajectories)
         return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import csv
+import math
+
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 from agentopsd.callbacks.credit import CreditCallback
@@ -173,3 +177,17 @@ def test_gigpo_statistics_in_the_callback():
     callback.on_train_batch_start(None, Holder(), batch, 0)  # no algorithm given: the module's own
     assert callback.last_stats["credit/step_group_shared"] == 0.5  # the first turns share state 0, the second ones do not
     assert callback.last_stats["credit/step_advantage_std"] > 0
+
+
+def test_a_statistic_an_iteration_lacks_is_logged_as_nan(tmp_path):
+    """Lightning would log the last iteration's value again (agentopsd.training.step_log)."""
+    batches = [foreign_batch(i) for i in range(3)]
+    batches[1]["success"] = torch.zeros(6)  # every episode lost: the evidence-outcome correlation is undefined
+    trainer = L.Trainer(max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[CreditCallback(AgentOPSD())])
+    trainer.fit(ForeignModule(), DataLoader(batches, batch_size=None))
+    (path,) = tmp_path.glob("**/metrics.csv")
+    with path.open() as f:
+        corr = [float(r["credit/evidence_outcome_corr"]) for r in csv.DictReader(f)]
+    assert len(corr) == 3 and math.isfinite(corr[0]) and math.isfinite(corr[2])
+    assert math.isnan(corr[1])
