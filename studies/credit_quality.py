@@ -257,6 +257,9 @@ def rule_rows(cfg: dict, labelled: list, make_counter) -> tuple[dict[int, dict[s
     ``make_counter()`` (``token_counter``; built once, when first needed; groups it cannot count are skipped)."""
     counter: list = []
     size = int(cfg.get("data", {}).get("group_size", 0))
+    # the rules run at the shipped configs' settings; the check recomputes at the run's own (a wide lever's band)
+    algo = cfg.get("algorithm") or {}
+    own = {"gamma": float(algo.get("gap_decay_gamma", 0.95)), "band": float(algo.get("mult_band", 0.2))}
     groups: dict[tuple[int, int], list] = defaultdict(list)
     for item in labelled:
         traj = item[0]
@@ -281,11 +284,12 @@ def rule_rows(cfg: dict, labelled: list, make_counter) -> tuple[dict[int, dict[s
                             states=[m[4] for m in members],
                             token_gaps=[[list(u.gaps) for u in t.turns] for t in trajs] if logged_gaps else None)
         orders = rule_orderings(group)
+        check = orders if own == {"gamma": 0.95, "band": 0.2} else rule_orderings(group, **own)
         for i, traj in enumerate(trajs):
             out[id(traj)] = {rule: orders[rule][i].tolist() for rule in RULES if rule in orders}
             if all("multiplier" in u.signals for u in traj.turns):
                 logged = np.sign(traj.seq_advantage) * np.asarray([u.signals["multiplier"] for u in traj.turns])
-                worst = max(worst, float(np.max(np.abs(logged - orders["agentopsd"][i]))))
+                worst = max(worst, float(np.max(np.abs(logged - check["agentopsd"][i]))))
     return out, worst
 
 
@@ -534,7 +538,8 @@ def main() -> None:
                   "tokens counted from the logged token gaps, or re-counted from the logged action where a run predates "
                   "them) and GiGPO (anchor states from the replayed observations); where the shards hold each token's gap, "
                   "also the per-token accumulation (`token`) and RLSD, each turn ordered by its tokens' mean multiplier. "
-                  "The recomputed AgentOPSD ordering sign(A) w_k matches the logged one to "
+                  "The rules run at the shipped settings (the paper's gamma 0.95 and band 0.2) on every run; "
+                  "recomputed at each run's own gamma and band, AgentOPSD's ordering sign(A) w_k matches the logged one to "
                   f"{max(w for _, _, w in rule_runs):.1e}. Last two columns: AgentOPSD's pairwise accuracy minus the "
                   "rule's, paired per trajectory, with 95% bootstrap intervals over trajectories and over runs (whole "
                   "runs resampled). Stage `rl`: every Monte Carlo iteration after the first, pooled. `informed_acc`: the "

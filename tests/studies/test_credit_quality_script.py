@@ -94,3 +94,36 @@ def test_trajectories_whose_teacher_was_not_scored_are_left_out(cq, tmp_path) ->
     write_shard(run / "rollouts" / "rollouts-000001.tar", [{**record, "teacher_scored": False}, scored])
     _, trajs = cq.load_run(run)
     assert [t.task_index for t in trajs] == [1]
+
+
+def test_the_fidelity_check_recomputes_each_run_at_its_own_band(cq) -> None:
+    """A wide lever's run (band 0.5) logged multipliers beyond the paper's band: the check must recompute them at
+    the run's own band (at 0.2 it would report a gap of up to 0.3 where training and the recompute agree)."""
+    import numpy as np
+    import torch
+
+    from agentopsd.credit import turn_multipliers
+    from agentopsd.study.groundtruth import LoggedTrajectory, LoggedTurn
+
+    evidence = [[2.0, -1.5, 0.3], [-2.5, 1.0, 0.0], [0.7, 0.2, -0.4]]
+    success = [1.0, 0.0, 1.0]
+    adv = [0.5, -1.0, 0.5]
+    gaps = torch.tensor(evidence, dtype=torch.float64)
+    mask = torch.ones_like(gaps, dtype=torch.bool)
+    prior = torch.tensor(success, dtype=torch.float64).mean().expand(3)
+    _, _, w = turn_multipliers(torch.tensor(adv, dtype=torch.float64), gaps, mask, prior, gamma=0.95, band=0.5, mode="belief")
+    assert float((w - 1).abs().max()) > 0.25  # beyond the paper's band: the planted defect would show
+    labelled = []
+    for i in range(3):
+        turns = tuple(LoggedTurn(k=k, action="go forward", observation="", valid=True,
+                                 signals={"evidence": evidence[i][k], "multiplier": float(w[i, k])}, gaps=(evidence[i][k],))
+                      for k in range(3))
+        traj = LoggedTrajectory(run="r", algorithm="agentopsd", env_id="e", iteration=1, task_index=0,
+                                success=bool(success[i]), seq_advantage=adv[i], turns=turns, group=0)
+        labelled.append((traj, None, None, None, [(i, k) for k in range(3)]))
+    cfg = {"data": {"group_size": 3}, "algorithm": {"name": "agentopsd", "mult_band": 0.5, "gap_decay_gamma": 0.95}}
+    rows, worst = cq.rule_rows(cfg, labelled, lambda: None)
+    assert len(rows) == 3
+    assert worst < 1e-9
+    # the rules themselves stay at the shipped band
+    assert all(np.max(np.abs(np.asarray(r["agentopsd"]))) <= 1.2 + 1e-9 for r in rows.values())
