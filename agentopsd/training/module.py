@@ -145,9 +145,9 @@ class AgentRLModule(L.LightningModule):
         self.iterations_done = 0
         """Completed iterations (updates made)."""
         self.stop_request = StopRequest()
+        """Set by a signal handler (agentopsd.callbacks.preemption): rollouts and evaluations stop between turns."""
         self._logged_keys: tuple[set[str], set[str]] = (set(), set())
         """The keys :meth:`training_step` logged so far (metrics, progress bar): absent later, they log NaN (:func:`log_step`)."""
-        """Set by a signal handler (agentopsd.callbacks.preemption): rollouts and evaluations stop between turns."""
 
     # ------------------------------------------------------------------ sharding
 
