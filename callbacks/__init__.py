@@ -22,10 +22,11 @@ def default_callbacks(cfg, output_dir: Path) -> list:
     callbacks = [
         PreemptionCallback(checkpoint),  # first: its signal handlers cover the pre-training evaluation too
         CreditCallback(),
+        # before the evaluation: a stop during the evaluation drops it and skips the batch-end hooks after it
+        RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
         EvaluationCallback(every_n_iterations=cfg.evaluation.every_n_iterations, before_training=cfg.evaluation.get("before_training", True),
                            at_end=cfg.evaluation.get("at_end", True)),
-        checkpoint,
-        RolloutShardWriter(str(output_dir / "rollouts"), every_n_iterations=cfg.rollout_log.every_n_iterations, max_samples=cfg.rollout_log.max_samples),
+        checkpoint,  # after the evaluation, so that an iteration's checkpoint holds the evaluation made after it
     ]
     if cfg.trainer.get("enable_progress_bar", True):
         callbacks.append(RichProgressBar(leave=True))

@@ -36,10 +36,20 @@ class EvaluationCallback(L.Callback):
             log.info("eval (%s, after %d iteration%s): success %.3f on %d episodes", when, done, "" if done == 1 else "s",
                      metrics["eval/success"], int(metrics.get("eval/episodes", 0)))
 
+    @staticmethod
+    def _evaluated_after(pl_module: L.LightningModule, done: int) -> bool:
+        return any(int(m.get("eval/iteration", -1)) == done for m in pl_module.eval_history)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # a resumed run already has its pre-training evaluation in the checkpoint
         if self.before_training and not pl_module.eval_history:
             self._run(trainer, pl_module, "before training")
+        # A stop that came during a periodic evaluation dropped it and kept the iteration before it: the resumed
+        # run evaluates now, where the evaluation was due, so its curve has no hole (before any training, as
+        # the dropped one would have run, and from the same restored random state).
+        done, n = int(pl_module.iterations_done), self.every_n_iterations
+        if n and done and done % n == 0 and done < pl_module.num_iterations and not self._evaluated_after(pl_module, done):
+            self._run(trainer, pl_module, "periodic, made up after the resume")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.iterations_trained += 1
@@ -48,6 +58,7 @@ class EvaluationCallback(L.Callback):
             self._run(trainer, pl_module, "periodic")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # a resumed run that had nothing left to train keeps the evaluation its checkpoint holds
-        if self.at_end and (self.iterations_trained or not pl_module.eval_history):
+        # a resumed run that had nothing left to train keeps the evaluation its checkpoint holds, unless a stop
+        # dropped that end-of-run evaluation
+        if self.at_end and (self.iterations_trained or not self._evaluated_after(pl_module, int(pl_module.iterations_done))):
             self._run(trainer, pl_module, "end")

@@ -5,7 +5,10 @@ Safe points, each reached by every rank together (the stop request is agreed by 
   task stream is rewound so that a resumed run plays it again with the same tasks;
 - after an iteration's update and every callback's batch-end work (checkpoint, rollout shard,
   evaluation): the iteration is kept (``AgentRLModule.on_train_batch_end``, the last batch hook);
-- between turns of an evaluation: the evaluation is dropped.
+- between turns of an evaluation: the evaluation is dropped, and a resumed run makes it up before its next
+  iteration (``EvaluationCallback.on_train_start``).
+A stop raised after an update writes that iteration's metrics to the loggers first (Lightning would have
+written them after the batch-end hooks the stop leaves).
 The wait is bounded by one turn of generation, or by the rest of one update when the signal
 arrives during it. Then ``last.ckpt`` is written and the run raises
 :class:`agentopsd.training.preemption.Preempted`, which ``train.py`` turns into a message and exit status
@@ -113,11 +116,26 @@ class PreemptionCallback(L.Callback):
             stream = getattr(trainer.datamodule, "stream", None) if trainer.datamodule is not None else None
             if stream is not None:
                 stream.position = exception.iteration
+        else:
+            _log_the_kept_iteration(trainer, pl_module)
         done = pl_module.iterations_done
         if self.checkpoint.saved_at != done:
             self.checkpoint.save(trainer)
         if trainer.is_global_zero:
             log.warning("%s: checkpoint with %d completed iterations at %s", exception.signal_name, done, self.checkpoint.last_path)
+
+
+def _log_the_kept_iteration(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Hand the kept iteration's metrics to the loggers. Lightning does so only after every batch-end hook, and
+    the stop was raised in one (the module's, or a periodic evaluation dropped by it): without this the iteration
+    stays in the checkpoint and its row is missing from the CSV and TensorBoard of the resumed run."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    metrics = dict(getattr(pl_module, "step_metrics", None) or {})
+    if progress.processed <= progress.completed or not metrics:
+        return  # the batch ended before the stop (the end-of-run evaluation was dropped): its row is written
+    step = int(metrics.pop("step", pl_module.iterations_done))
+    for logger in trainer.loggers:
+        logger.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
 
 
 def _exit_now(rank: int, signal_name: str, code: int, why: str) -> None:

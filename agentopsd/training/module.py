@@ -146,6 +146,8 @@ class AgentRLModule(L.LightningModule):
         """Completed iterations (updates made)."""
         self.stop_request = StopRequest()
         """Set by a signal handler (agentopsd.callbacks.preemption): rollouts and evaluations stop between turns."""
+        self.step_metrics: dict[str, float] = {}
+        """What the last update logged (its ``step``: completed iterations), for a stop that skips Lightning's logging."""
         self._logged_keys: tuple[set[str], set[str]] = (set(), set())
         """The keys :meth:`training_step` logged so far (metrics, progress bar): absent later, they log NaN (:func:`log_step`)."""
 
@@ -375,10 +377,13 @@ class AgentRLModule(L.LightningModule):
         shown = {k: v for k, v in metrics.items() if k in ("rollout/success", "rollout/turns")}
         # "step": the loggers' x axis is completed iterations (not optimizer steps), as in the evaluation rows
         # a key this iteration did not measure logs NaN, not the last iteration's value (agentopsd.training.step_log)
-        log_step(self, {k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)},
-                 self._logged_keys[0], batch_size=batch.num_trajectories)
+        logged = log_step(self, {k: v for k, v in metrics.items() if k not in shown} | {"step": float(self.iterations_done)},
+                          self._logged_keys[0], batch_size=batch.num_trajectories)
         # the rich progress bar shows the rollout: success and turns per episode
-        log_step(self, shown, self._logged_keys[1], prog_bar=True, batch_size=batch.num_trajectories)
+        logged |= log_step(self, shown, self._logged_keys[1], prog_bar=True, batch_size=batch.num_trajectories)
+        # Lightning hands these to the loggers only after every batch-end hook; a stop raised in one of those
+        # hooks (callbacks.preemption) writes them itself, or the iteration it keeps would have no row
+        self.step_metrics = logged
         return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:

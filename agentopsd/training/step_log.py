@@ -15,12 +15,14 @@ from collections.abc import Mapping
 import lightning as L
 
 
-def log_step(module: L.LightningModule, metrics: Mapping[str, float], seen: set[str], **log_kwargs: object) -> None:
+def log_step(module: L.LightningModule, metrics: Mapping[str, float], seen: set[str], **log_kwargs: object) -> dict[str, float]:
     """``module.log_dict(metrics, on_step=True, **log_kwargs)``, plus NaN for each key of ``seen`` (the keys this
-    call site logged at earlier steps) that ``metrics`` lacks; adds ``metrics``' keys to ``seen``.
+    call site logged at earlier steps) that ``metrics`` lacks; adds ``metrics``' keys to ``seen``. Returns what it logged.
 
     Each call site (a hook and its ``log_kwargs``) keeps its own ``seen``: Lightning files a value under the hook
     that logged it, so only that hook can overwrite it."""
     missing = seen.difference(metrics)
     seen.update(metrics)
-    module.log_dict({**metrics, **dict.fromkeys(sorted(missing), math.nan)}, on_step=True, **log_kwargs)
+    logged = {**metrics, **dict.fromkeys(sorted(missing), math.nan)}
+    module.log_dict(logged, on_step=True, **log_kwargs)
+    return logged

@@ -119,6 +119,46 @@ def test_abandoned_iteration_rewinds_the_stream(tiny_walk_policy, tmp_path):
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["position"] == 1
 
 
+
+def _csv_rows(folder: Path) -> list[dict[str, str]]:
+    import csv
+
+    return [row for f in sorted(folder.glob("version_*/metrics.csv")) for row in csv.DictReader(f.open())]
+
+
+def test_a_stop_during_a_periodic_evaluation_loses_nothing(tiny_walk_policy, tmp_path):
+    """SIGTERM during iteration 2's update: the evaluation due after it starts, is dropped at its first turn, and
+    the run stops with iteration 2 kept. Iteration 2's metrics still reach the CSV, and the resumed run evaluates
+    after iteration 2 before it trains on: a curve with no hole, every iteration's row once."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from agentopsd.callbacks.evaluation import EvaluationCallback
+
+    def fit(module, *extra, ckpt_path=None):
+        checkpoint = IterationCheckpoint(str(tmp_path / "checkpoints"), every_n_iterations=100)
+        evaluation = EvaluationCallback(every_n_iterations=2, before_training=False)
+        trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                            callbacks=[PreemptionCallback(checkpoint), CreditCallback(), evaluation, checkpoint, *extra])
+        trainer.fit(module, datamodule=TaskDataModule(TOY_ID, tasks_per_batch=2, group_size=3, num_iterations=4), ckpt_path=ckpt_path)
+        return checkpoint, evaluation
+
+    first = make_module(tiny_walk_policy, iterations=4)
+    with pytest.raises(Preempted) as info:
+        fit(first, _SignalAt(signal.SIGTERM, "update", 1))
+    assert info.value.update_done and first.iterations_done == 2
+    assert first.eval_history == []  # the periodic evaluation was dropped, not half recorded
+    trained = [int(r["step"]) for r in _csv_rows(tmp_path / "csv") if r.get("rollout/success")]
+    assert trained == [1, 2]
+
+    second = make_module(tiny_walk_policy, iterations=4)
+    checkpoint, evaluation = fit(second, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert [int(m["eval/iteration"]) for m in second.eval_history] == [2, 4]
+    rows = _csv_rows(tmp_path / "csv")
+    assert [int(r["step"]) for r in rows if r.get("rollout/success")] == [1, 2, 3, 4]
+    assert [int(r["step"]) for r in rows if r.get("eval/success")] == [2, 4]
+
+
 def _wait_for_shards(out: Path, n: int, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while len(list((out / "rollouts").glob("*.tar"))) < n:
@@ -133,7 +173,7 @@ def test_real_signal_to_a_real_run_then_resume(processes, tmp_path):
     out = tmp_path / f"p{processes}"
     common = [
         "experiment=babyai_tiny", f"output_dir={out}", "num_iterations=6", "checkpoint.every_n_iterations=100",
-        "evaluation.num_tasks=2", "trainer.enable_progress_bar=false", "data.tasks_per_batch=2",
+        "evaluation.num_tasks=2", "evaluation.every_n_iterations=1", "trainer.enable_progress_bar=false", "data.tasks_per_batch=2",
     ]
     if processes == 2:
         common += ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
@@ -157,6 +197,11 @@ def test_real_signal_to_a_real_run_then_resume(processes, tmp_path):
     run_train(*common, "ckpt_path=last", timeout=900)
     # every iteration trained exactly once, on the same task stream: one shard each, no gaps
     assert list(shard_records(out)) == [f"rollouts-{i:06d}.tar" for i in range(1, 7)]  # numbered by completed iterations
+    # and one CSV row each, and an evaluation after every one (wherever the signal landed: in a rollout, an
+    # update, or the evaluation after it, which the resumed run makes up)
+    rows = _csv_rows(out / "csv")
+    assert [int(r["step"]) for r in rows if r.get("rollout/success")] == list(range(1, 7))
+    assert [int(r["step"]) for r in rows if r.get("eval/success")] == list(range(0, 7))
 
 
 @pytest.mark.parametrize("how", ["second signal", "grace over"])
@@ -209,3 +254,15 @@ def test_a_stop_reached_in_time_leaves_no_forced_exit(tmp_path):
         assert not timer.is_alive() and callback._timer is None
     finally:
         callback._restore()
+
+
+def test_a_dropped_evaluation_skips_only_the_checkpoint_hook(tmp_path):
+    """A stop during an evaluation skips every batch-end hook after it: the rollout shard must come before (or
+    the kept iteration's shard is lost), the iteration's checkpoint after (so that it holds the evaluation, and
+    the stop's own checkpoint takes its place when the evaluation is dropped)."""
+    from agentopsd.callbacks import EvaluationCallback, RolloutShardWriter, default_callbacks
+    from tests.test_configs import cfg_for
+
+    kinds = [type(cb) for cb in default_callbacks(cfg_for(), tmp_path)]
+    assert kinds[0] is PreemptionCallback
+    assert kinds.index(RolloutShardWriter) < kinds.index(EvaluationCallback) < kinds.index(IterationCheckpoint)
