@@ -3,7 +3,7 @@
 A signal handler only records the request; the run acts on it at points where every rank
 agrees and nothing is half done: between turns of a rollout (the iteration is abandoned and
 will be replayed), after an iteration's update (the iteration is kept), between turns of an
-evaluation (the evaluation is dropped). ``agentopsd.callbacks.preemption.PreemptionCallback`` installs
+evaluation (the evaluation is dropped; a resumed run makes it up). ``agentopsd.callbacks.preemption.PreemptionCallback`` installs
 the handlers and writes the checkpoint.
 """
 
