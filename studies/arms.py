@@ -31,6 +31,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -320,12 +321,23 @@ def build_table(summaries: list[dict], arms: list[str], command_line: str) -> st
                                                     if n in pooled and pooled[n][1] else "" for n in lengths) + " |")
     lines += ["", "## Per run", "", "| arm | seed | greedy success by evaluation, % | train success by iteration, % | "
               "evidence-outcome corr | wall s | peak RSS MB |", "|---|---|---|---|---|---|---|"]
+    # the evaluations a run of this length makes (every run's own, pooled): one a run lacks shows as a hole
+    due = {n: sorted({int(it) for s in summaries if s["iterations"] == n for it in s["evals"]}) for n in {s["iterations"] for s in summaries}}
+    holes = False
     for s in sorted(summaries, key=lambda s: (s["seed"], arms.index(s["arm"]))):
-        curve = " → ".join(f"{100 * e['success']:.0f}" for _, e in sorted(s["evals"].items(), key=lambda kv: int(kv[0])))
-        train = " ".join(f"{100 * v:.0f}" for v in s["diagnostics"].get("rollout/success", []))
+        curve = " → ".join(f"{100 * s['evals'][str(it)]['success']:.0f}" if str(it) in s["evals"] else "–" for it in due[s["iterations"]])
+        train_rows = s["diagnostics"].get("rollout/success", [])
+        train = " ".join(f"{100 * v:.0f}" for v in train_rows)
+        if len(train_rows) < s["iterations"]:
+            train += f" ({len(train_rows)} of {s['iterations']} logged)"
+        holes = holes or "–" in curve or len(train_rows) < s["iterations"]
         corr = s["diagnostics"].get("credit/evidence_outcome_corr")
         lines.append(f"| {s['arm']} | {s['seed']} | {curve} | {train} | {f'{statistics.fmean(corr):.3f}' if corr else ''} | "
                      f"{s['wall_s']:.0f} | {s['peak_rss_mb']:.0f} |")
+    if holes:
+        lines += ["", "–: an evaluation the run never made. A stop (SIGTERM) that came during a periodic evaluation dropped it, "
+                      "and a resume at the study's commit did not make it up; the same stop lost that iteration's row of "
+                      "train success. The area interpolates across the hole; the end is unaffected."]
     return "\n".join(lines) + "\n"
 
 
@@ -371,8 +383,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out = args.out.resolve()  # the runs' working directory is the exported code, not here
     args.out.mkdir(parents=True, exist_ok=True)
     command_line = "python studies/arms.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.table_only:
-        write_results(args.out, args.arms, command_line)
+    if args.table_only:  # the tables keep naming the command that trained the runs
+        table = args.out / "table.md"
+        first = table.read_text().splitlines()[0] if table.exists() else ""
+        trained_by = re.fullmatch(r"Command: `(.*)`\s*", first)
+        write_results(args.out, args.arms, trained_by.group(1) if trained_by else command_line)
         return
     seeds = parse_seeds(args.seeds)
     mc_seeds = set(parse_seeds(args.mc_seeds)) if args.mc_seeds else set()

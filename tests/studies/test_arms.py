@@ -187,3 +187,17 @@ def test_a_tiny_study_shares_one_warm_start_archives_the_evidence_and_resumes(tm
     assert "agentopsd seed 0: summarised but not archived" in third.stderr
     assert (archive / "done.json").is_file() and (tmp_path / "runs" / "agentopsd-s0").is_dir()
     assert not (tmp_path / "runs" / "grpo-s0").exists()
+
+
+def test_an_evaluation_a_run_lacks_shows_as_a_hole(arms) -> None:
+    """A run that lost its evaluation after iteration 2 (a stop dropped it) keeps its place in the curve: the
+    others' evaluations say which were due; a short train-success list says how many iterations were logged."""
+    lengths = {"9": [0.5, 10.0]}
+    whole, holed = _summary("grpo", 0, [0.0, 0.2, 0.5], lengths), _summary("grpo", 1, [0.0, 0.2, 0.6], lengths)
+    del holed["evals"]["2"]
+    holed["diagnostics"] = {"rollout/success": [0.25, 0.5, 0.75]}
+    text = arms.build_table([whole, holed], list(arms.ARMS), "python studies/arms.py")
+    rows = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| grpo | ")}
+    assert "| 0 → 20 → 50 |" in rows["0"] and "| 0 → – → 60 |" in rows["1"]
+    assert "25 50 75 (3 of 4 logged)" in rows["1"]
+    assert "–: an evaluation the run never made" in text
