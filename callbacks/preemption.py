@@ -3,8 +3,8 @@
 Safe points, each reached by every rank together (the stop request is agreed by a collective):
 - between turns of a rollout: the iteration is abandoned (its update never started) and the
   task stream is rewound so that a resumed run plays it again with the same tasks;
-- after an iteration's update and every callback's batch-end work (checkpoint, rollout shard,
-  evaluation): the iteration is kept (``AgentRLModule.on_train_batch_end``, the last batch hook);
+- after an iteration's update and every callback's batch-end work (rollout shard, evaluation,
+  checkpoint): the iteration is kept (``AgentRLModule.on_train_batch_end``, the last batch hook);
 - between turns of an evaluation: the evaluation is dropped, and a resumed run makes it up before its next
   iteration (``EvaluationCallback.on_train_start``).
 A stop raised after an update writes that iteration's metrics to the loggers first (Lightning would have
