@@ -34,7 +34,9 @@ frozen base stored in bf16, the adapters float32, and the rollout turn and teach
 the adapters merged: what ``model.dtype=auto`` gives where the CPU has avx512_bf16 or AMX), printed as a table with their ratio: one rollout turn (16 prompts, 8 new tokens, KV cache), teacher scoring of
 the 16 teacher views (shared prefixes once), one update micro-batch (8 rows, forward and backward) and one
 warm-start step (4 samples). A few minutes on SmolLM2; ``--model tiny`` runs it in seconds on the tiny Qwen2.
-Whether bf16 pays depends on the processor: the table names its native bf16 flags.
+Whether bf16 pays depends on the processor: the table names its native bf16 flags. ``--busy N`` times the phases
+with N processes spinning beside them (the models load first, alone): how a thread count and ``OMP_WAIT_POLICY``
+(set by the caller; the micro-benchmark does not go through train.py, which sets PASSIVE) fare on a shared machine.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +100,15 @@ class Result:
     iterations: list[Iteration] = field(default_factory=list)
     iteration_ends_s: dict[int, float] = field(default_factory=dict)
     """Iteration -> seconds since the start when its rollout shard was written."""
+    wait_policy: str = ""
+    """``OMP_WAIT_POLICY`` of the run ("" where a JSON predates it). It matters beyond one thread: waiting passively
+    (train.py's default, right beside other work) costs every small parallel op a thread wake-up on a quiet machine."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Result:
+        """A :class:`Result` from its JSON (``--json``)."""
+        return cls(**{**d, "iterations": [Iteration(**it) for it in d.get("iterations", [])],
+                      "iteration_ends_s": {int(k): v for k, v in d.get("iteration_ends_s", {}).items()}})
 
 
 def parse_output(stamped: list[tuple[float, str]]) -> dict:
@@ -121,9 +133,10 @@ def eval_seconds(evals: list[dict], warm_done_at: float | None, iteration_ends: 
     """Each evaluation with ``seconds`` (None where unknown), all times in seconds since the start.
 
     Before training: from the warm start's end to its line (the Trainer's setup included). Periodic, after
-    iteration i: it runs at i's end, before i's rollout shard is written, so it is i's span (the shard before to
-    i's shard) less i's phases (``phases[i]``: rollout + teacher + update). At the end: after the last shard, so
-    from that shard to its line (the final checkpoint included)."""
+    iteration i: it runs at i's end after i's rollout shard is written, so from that shard to its line. A run from
+    before the shard writer moved ahead of the evaluation (its line comes before i's shard) wrote the shard after
+    it: there it is i's span (the shard before to i's shard) less i's phases (``phases[i]``: rollout + teacher +
+    update). At the end: after the last shard, so from that shard to its line (the final checkpoint included)."""
     out = []
     before = next((e["at"] for e in evals if e["iteration"] == 0), warm_done_at)
     last = max(iteration_ends) if iteration_ends else None
@@ -131,6 +144,8 @@ def eval_seconds(evals: list[dict], warm_done_at: float | None, iteration_ends: 
         i, seconds = e["iteration"], None
         if i == 0:
             seconds = None if warm_done_at is None else e["at"] - warm_done_at
+        elif e["when"] == "periodic" and i in iteration_ends and e["at"] >= iteration_ends[i]:
+            seconds = e["at"] - iteration_ends[i]
         elif e["when"] == "periodic":
             start = iteration_ends.get(i - 1) if i > 1 else before
             if start is not None and i in iteration_ends and i in phases:
@@ -206,9 +221,13 @@ def commit() -> str:
     return f"{head or 'unknown'}{' plus uncommitted changes' if dirty.strip() else ''}"
 
 
+def _threads(result: Result) -> str:
+    return f"OMP_NUM_THREADS={result.threads}" + (f", OMP_WAIT_POLICY={result.wait_policy}" if result.wait_policy else "")
+
+
 def markdown(result: Result) -> str:
     """The run's figures as markdown: the split per iteration, the evaluations, wall time and peak RSS."""
-    lines = [f"`{result.command}` at {result.commit}, OMP_NUM_THREADS={result.threads}, exit code {result.returncode}",
+    lines = [f"`{result.command}` at {result.commit}, {_threads(result)}, exit code {result.returncode}",
              "", f"wall {result.wall_seconds:.0f} s ({result.wall_seconds / 60:.1f} min), peak RSS {result.peak_rss_mib:.0f} MiB", ""]
     if result.warm_start_seconds is not None and result.warm_start_steps:
         lines.append(f"warm start: {result.warm_start_steps} steps in {result.warm_start_seconds:.0f} s "
@@ -266,7 +285,7 @@ def compare_table(float32: Result, auto: Result) -> str:
     """The two runs of ``--compare`` side by side: seconds per part and float32 s / auto s, then peak RSS and each
     evaluation's greedy success."""
     a, b = _phase_sums(float32), _phase_sums(auto)
-    lines = [f"float32: `{float32.command}`; auto: `{auto.command}`; at {auto.commit}, OMP_NUM_THREADS={auto.threads}, "
+    lines = [f"float32: `{float32.command}`; auto: `{auto.command}`; at {auto.commit}, {_threads(auto)}, "
              f"exit codes {float32.returncode} and {auto.returncode}", "",
              "| part | float32 s | auto s | float32 s / auto s |", "|---|---|---|---|"]
     for key, name in COMPARE_ROWS.items():
@@ -407,10 +426,22 @@ def _phases(path: str, dtype: str) -> tuple[dict[str, object], dict[str, int]]:
     return phases, lengths
 
 
-def micro(model: str = "smollm2", repeats: int = 3) -> dict[str, object]:
+@contextmanager
+def busy_neighbours(count: int):
+    """``count`` processes that spin on a core each until the block ends: a shared machine's other work."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def micro(model: str = "smollm2", repeats: int = 3, busy: int = 0) -> dict[str, object]:
     """Seconds of each phase's unit of work in float32 and in bf16, one process: both models loaded side by side and
     the phases run alternately (float32, bf16, float32, ...), so a busy spell on the machine hits both; the best of
-    ``repeats`` each (the first call of each also pays one-off setup)."""
+    ``repeats`` each (the first call of each also pays one-off setup); ``busy`` processes spin beside the timing."""
     import tempfile
 
     import torch
@@ -429,13 +460,15 @@ def micro(model: str = "smollm2", repeats: int = 3) -> dict[str, object]:
             path = tmp
         loaded = {dtype: _phases(path, dtype) for dtype in MICRO_DTYPES}
     seconds: dict[str, dict[str, float]] = {phase: {} for phase in MICRO_PHASES}
-    for phase in MICRO_PHASES:
-        for _ in range(repeats):
-            for dtype in MICRO_DTYPES:
-                took = _best(loaded[dtype][0][phase], 1)
-                seconds[phase][dtype] = round(min(seconds[phase].get(dtype, float("inf")), took), 4)
+    with busy_neighbours(busy):
+        for phase in MICRO_PHASES:
+            for _ in range(repeats):
+                for dtype in MICRO_DTYPES:
+                    took = _best(loaded[dtype][0][phase], 1)
+                    seconds[phase][dtype] = round(min(seconds[phase].get(dtype, float("inf")), took), 4)
     flags = read_cpu_flags()
-    return {"model": model, "threads": torch.get_num_threads(), "repeats": repeats,
+    return {"model": model, "threads": torch.get_num_threads(), "repeats": repeats, "busy": busy,
+            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"), "spin_count": os.environ.get("GOMP_SPINCOUNT", "unset"),
             "native_bf16_flags": [f for f in NATIVE_BF16_FLAGS if f in flags],
             "avx512_flags": sorted(f for f in flags if f.startswith("avx512")), **loaded["float32"][1],
             "seconds": seconds}
@@ -449,7 +482,10 @@ def speedup(seconds: dict[str, float]) -> float:
 def micro_table(figures: dict[str, object]) -> str:
     """The ``--micro`` figures as a markdown table, float32 and bf16 side by side with their ratio."""
     flags = ", ".join(figures["native_bf16_flags"]) or "none"
-    lines = [f"model {figures['model']}, {figures['threads']} thread(s), best of {figures['repeats']}; native bf16 flags: {flags}",
+    waits = f"OMP_WAIT_POLICY {figures.get('wait_policy', 'unset')}" + (
+        f", GOMP_SPINCOUNT {figures['spin_count']}" if figures.get("spin_count", "unset") != "unset" else "")
+    lines = [f"model {figures['model']}, {figures['threads']} thread(s), {waits}, {figures.get('busy', 0)} busy "
+             f"neighbour(s), best of {figures['repeats']}; native bf16 flags: {flags}",
              "", "| phase | work | float32 s | bf16 s | bf16 speed-up (float32 s / bf16 s) |", "|---|---|---|---|---|"]
     for phase, work in MICRO_PHASES.items():
         s = figures["seconds"][phase]
@@ -470,10 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                         help="--micro: SmolLM2-135M, or the tiny from-scratch Qwen2 (seconds, no download: CI)")
     parser.add_argument("--repeats", type=int, default=3, help="--micro: calls per phase and precision (the best is kept)")
+    parser.add_argument("--busy", type=int, default=0, help="--micro: processes spinning beside the timing (a shared machine)")
+    parser.add_argument("--from-json", type=Path, default=None,
+                        help="--compare: no run; the report again from this JSON, the evaluations' seconds recomputed")
     parser.add_argument("overrides", nargs="*", help="train.py overrides after --, e.g. num_iterations=2")
     args = parser.parse_args(argv)
     if args.micro:
-        figures = micro(args.model, args.repeats)
+        figures = micro(args.model, args.repeats, args.busy)
         text = micro_table(figures)
         print("\n" + text)
         if args.json:
@@ -486,19 +525,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or os.environ.get("OMP_NUM_THREADS") or "unset"
     if args.out is None:
         args.out = ROOT / "runs" / "smollm2" / time.strftime("bench-%Y-%m-%d_%H-%M-%S", time.gmtime())
+    if args.compare and args.from_json:
+        results = {k: rescore(Result.from_dict(v)) for k, v in json.loads(args.from_json.read_text()).items()}
+        return write_compare(results, args.json, args.report)
     if args.compare:
         # the output folder is outside runs_dir, so each run's warm start is its own (no cache shared between them)
         results = {label: measure(args.overrides + extra, args.out / label, args.threads, threads)
                    for label, extra in (("float32", ["model.dtype=float32"]), ("auto", []))}
-        text = compare_table(results["float32"], results["auto"])
-        print("\n" + text)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=1) + "\n")
-        if args.report:
-            args.report.parent.mkdir(parents=True, exist_ok=True)
-            args.report.write_text(text + "\n\n" + "\n\n".join(f"## {k}\n\n{markdown(v)}" for k, v in results.items()))
-        return max(r.returncode for r in results.values())
+        return write_compare(results, args.json, args.report)
     result = measure(args.overrides, args.out, args.threads, threads)
     text = markdown(result)
     print("\n" + text)
@@ -509,6 +543,27 @@ def main(argv: list[str] | None = None) -> int:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(text + "\n")
     return result.returncode
+
+
+def write_compare(results: dict[str, Result], json_path: Path | None, report: Path | None) -> int:
+    """``--compare``'s side-by-side table printed, and written with each run's own figures; the worst exit code."""
+    text = compare_table(results["float32"], results["auto"])
+    print("\n" + text)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps({k: asdict(v) for k, v in results.items()}, indent=1) + "\n")
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text + "\n\n" + "\n\n".join(f"## {k}\n\n{markdown(v)}" for k, v in results.items()))
+    return max(r.returncode for r in results.values())
+
+
+def rescore(result: Result) -> Result:
+    """``result`` with its evaluations' seconds computed again (:func:`eval_seconds`) from the times it kept."""
+    evals = eval_seconds(result.evals, None, result.iteration_ends_s, {it.iteration: it.total for it in result.iterations})
+    before = {e["iteration"]: e["seconds"] for e in result.evals if e["iteration"] == 0}
+    # the warm start's end is not kept: an evaluation before training keeps the seconds it was given
+    return replace(result, evals=[{**e, "seconds": before[0]} if e["iteration"] == 0 else e for e in evals])
 
 
 def measure(overrides: list[str], out: Path, threads: str | None, threads_shown: str) -> Result:
@@ -523,7 +578,8 @@ def measure(overrides: list[str], out: Path, threads: str | None, threads_shown:
                   demos_seconds=parsed.get("demos_seconds"),
                   evals=eval_seconds(parsed["evals"], parsed.get("warm_start_done_at"), ends,
                                      {it.iteration: it.total for it in iterations}),
-                  iterations=iterations, iteration_ends_s=ends)
+                  iterations=iterations, iteration_ends_s=ends,
+                  wait_policy=os.environ.get("OMP_WAIT_POLICY") or "PASSIVE (train.py's default)")
 
 
 if __name__ == "__main__":

@@ -118,3 +118,33 @@ def test_the_benchmark_reads_the_warm_start_the_evaluations_and_the_split(smollm
     assert "| all 2 | 296 | 70 (32%) | 22 (10%) | 130 (59%) | 222 | | |" in text
     assert "48 steps in 190 s (4.0 s a step)" in text and "| end | 2 | 0.45 | 20 | 60.0 |" in text
     assert "| periodic | 1 | 0.10 | 20 | 49.5 |" in text
+    # today's order: iteration 1's shard at 650.5, then its periodic evaluation (its line at 700), which iteration
+    # 2's span holds; it is not iteration 2's span less its phases (0.5 s here)
+    evals = smollm2_recipe_bench.eval_seconds(parsed["evals"], parsed["warm_start_done_at"], {1: 650.5, 2: 840.0},
+                                              {1: 390.0, 2: 139.5})
+    assert [e["seconds"] for e in evals] == [60.5, 49.5, 60.0]
+
+
+def test_a_compare_report_is_rendered_again_from_its_json(smollm2_recipe_bench, tmp_path):
+    """``--compare --from-json``: each run's evaluations' seconds recomputed from the times the JSON kept (a report
+    written while the benchmark misread the order of shard and evaluation gets them right), and the wait policy
+    named beside the threads."""
+    import json
+    from dataclasses import asdict
+
+    bench = smollm2_recipe_bench
+    its = [bench.Iteration(1, 40.0, 10.0, 50.0, 100.0, 0.5, 80.0), bench.Iteration(2, 30.0, 10.0, 40.0, 90.0, 0.8, 60.0)]
+    evals = [{"when": "before training", "iteration": 0, "success": 0.0, "episodes": 50, "at": 300.0, "seconds": 60.0},
+             {"when": "periodic", "iteration": 1, "success": 0.5, "episodes": 50, "at": 430.0, "seconds": 0.1},
+             {"when": "end", "iteration": 2, "success": 1.0, "episodes": 50, "at": 560.0, "seconds": 20.0}]
+    runs = {k: bench.Result(f"python train.py +experiment=smollm2 {k}", "abc", "2", 0, 600.0, 4000.0, 96, 180.0, 0.3,
+                            evals, its, {1: 400.0, 2: 510.0}, wait_policy="ACTIVE") for k in ("float32", "auto")}
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps({k: asdict(v) for k, v in runs.items()}))
+    assert bench.main(["--compare", "--from-json", str(path), "--json", str(tmp_path / "out.json"),
+                       "--report", str(tmp_path / "out.md")]) == 0
+    again = json.loads((tmp_path / "out.json").read_text())
+    assert [e["seconds"] for e in again["auto"]["evals"]] == [60.0, 30.0, 50.0]  # periodic: shard 400 -> line 430
+    report = (tmp_path / "out.md").read_text()
+    assert "OMP_NUM_THREADS=2, OMP_WAIT_POLICY=ACTIVE" in report and "| evaluations | 140 | 140 | 1.00x |" in report
+    assert bench.Result.from_dict(again["auto"]).iterations == its

@@ -5,6 +5,8 @@ results/smollm2_speed."""
 from __future__ import annotations
 
 import json
+import os
+import time
 
 
 def test_the_table_puts_both_precisions_side_by_side_with_bf16s_speed_up(smollm2_recipe_bench):
@@ -16,13 +18,27 @@ def test_the_table_puts_both_precisions_side_by_side_with_bf16s_speed_up(smollm2
     assert "| rollout turn | 16 prompts, 8 new tokens, KV cache | 1.200 | 0.400 | 3.00x |" in text
     assert "| update micro-batch | 8 rows, forward + backward, LoRA | 0.500 | 1.000 | 0.50x |" in text  # slower: below 1
     assert len([line for line in text.splitlines() if line.startswith("| ") and "x |" in line]) == 4
+    shared = smollm2_recipe_bench.micro_table({"model": "smollm2", "threads": 2, "repeats": 3, "native_bf16_flags": [],
+                                               "busy": 1, "wait_policy": "unset", "spin_count": "3000", "seconds": seconds})
+    assert shared.startswith("model smollm2, 2 thread(s), OMP_WAIT_POLICY unset, GOMP_SPINCOUNT 3000, 1 busy neighbour(s)")
+
+
+def test_busy_neighbours_spin_for_the_block_only(smollm2_recipe_bench):
+    """``--micro --busy N``: N processes spin while the phases are timed and are gone after (planted defect: left
+    running, they would load every later test)."""
+    with smollm2_recipe_bench.busy_neighbours(2) as procs:
+        time.sleep(0.2)
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)  # still spinning
+    assert all(p.returncode is not None for p in procs)
 
 
 def test_micro_runs_every_phase_both_ways_on_the_tiny_model(smollm2_recipe_bench, tmp_path, capsys):
     out = tmp_path / "micro.json"
-    assert smollm2_recipe_bench.main(["--micro", "--model", "tiny", "--repeats", "1", "--json", str(out), "--report", str(tmp_path / "micro-table.txt")]) == 0
+    assert smollm2_recipe_bench.main(["--micro", "--model", "tiny", "--repeats", "1", "--busy", "1", "--json", str(out),
+                                      "--report", str(tmp_path / "micro-table.txt")]) == 0
     figures = json.loads(out.read_text())
     assert figures["model"] == "tiny" and set(figures["seconds"]) == set(smollm2_recipe_bench.MICRO_PHASES)
+    assert figures["busy"] == 1 and figures["wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "unset")
     for phase, s in figures["seconds"].items():
         assert set(s) == {"float32", "bfloat16"} and min(s.values()) > 0, (phase, s)
     printed = capsys.readouterr().out
