@@ -24,7 +24,7 @@ Threads: ``--threads`` sets ``OMP_NUM_THREADS`` for the run (default: as the cal
 ``--compare`` runs the recipe twice, one after the other, each with its own fresh warm start: ``model.dtype=float32``
 in ``DIR/float32``, then the default (``model.dtype=auto``) in ``DIR/auto``; it prints every phase of both side by side
 with the ratio float32 s / auto s (above 1: auto is faster). Both runs meet the same machine one after the other,
-so run it on a quiet one.
+so run it on a quiet one. ``--compare --from-json JSON`` renders such a run's report again from its JSON, no run.
 
     python benchmarks/smollm2_recipe.py --micro [--model smollm2|tiny] [--repeats N] [--json PATH] [--report PATH]
 
