@@ -142,9 +142,9 @@ def test_a_compare_report_is_rendered_again_from_its_json(smollm2_recipe_bench, 
     path = tmp_path / "compare.json"
     path.write_text(json.dumps({k: asdict(v) for k, v in runs.items()}))
     assert bench.main(["--compare", "--from-json", str(path), "--json", str(tmp_path / "out.json"),
-                       "--report", str(tmp_path / "out.md")]) == 0
+                       "--report", str(tmp_path / "report")]) == 0
     again = json.loads((tmp_path / "out.json").read_text())
     assert [e["seconds"] for e in again["auto"]["evals"]] == [60.0, 30.0, 50.0]  # periodic: shard 400 -> line 430
-    report = (tmp_path / "out.md").read_text()
+    report = (tmp_path / "report").read_text()
     assert "OMP_NUM_THREADS=2, OMP_WAIT_POLICY=ACTIVE" in report and "| evaluations | 140 | 140 | 1.00x |" in report
     assert bench.Result.from_dict(again["auto"]).iterations == its
