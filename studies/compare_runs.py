@@ -74,8 +74,8 @@ def compare(run_a: Path, run_b: Path) -> tuple[str, bool]:
         parts = [_cell(shards[0].get(it), shards[1].get(it), "episode"), _cell(train_a.get(it), train_b.get(it), "train"),
                  _cell(eval_a.get(it), eval_b.get(it), "eval")]
         agree &= all(cell != "differs" for cell, _ in parts)
-        success = " / ".join(e[it]["eval/success"] if it in e and "eval/success" in e[it] else MISSING
-                             for e in (eval_a, eval_b))
+        success = " / ".join(f"{100 * float(e[it]['eval/success']):.0f}%" if it in e and "eval/success" in e[it]
+                             else MISSING for e in (eval_a, eval_b))
         what = [k for _, keys in parts for k in keys]
         shown = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")
         lines.append(f"| {it} | {' | '.join(cell for cell, _ in parts)} | {success} | {shown} |")

@@ -60,9 +60,9 @@ def test_a_resumed_run_with_a_hole_against_an_uninterrupted_one(compare_runs, tm
                  [[_train(1, "0.5", "99"), _eval(1, "0.1")], [_eval(1, "0.4"), _train(3, "0.7", "13"), _eval(3, "0.9")]])
     text, agree = compare_runs.compare(whole, holed)
     assert not agree
-    assert "| 1 | same | same | same | 0.4 / 0.4 |  |" in text  # perf/ differs (10 against 99): not counted
-    assert "| 2 | – | – | – | 0.5 / – |  |" in text
-    assert "| 3 | differs | same | same | 0.9 / 0.9 | episode: 000003_0000.json |" in text
+    assert "| 1 | same | same | same | 40% / 40% |  |" in text  # perf/ differs (10 against 99): not counted
+    assert "| 2 | – | – | – | 50% / – |  |" in text
+    assert "| 3 | differs | same | same | 90% / 90% | episode: 000003_0000.json |" in text
     # without iteration 3's different episode the runs agree wherever both have an iteration
     (holed / "rollouts" / "rollouts-000003.tar").unlink()
     _, agree = compare_runs.compare(whole, holed)
@@ -73,7 +73,7 @@ def test_a_row_that_differs_names_its_columns_and_fails_the_command(compare_runs
     a = _run(tmp_path / "a", {}, [[_train(1, "0.5", "10"), _eval(1, "0.4")]])
     b = _run(tmp_path / "b", {}, [[_train(1, "0.25", "10"), _eval(1, "0.5")]])
     assert compare_runs.main([str(a), str(b), "--out", str(tmp_path / "table")]) == 1
-    assert "| 1 | – | differs | differs | 0.4 / 0.5 | train: rollout/success, eval: eval/success |" in capsys.readouterr().out
+    assert "| 1 | – | differs | differs | 40% / 50% | train: rollout/success, eval: eval/success |" in capsys.readouterr().out
     assert compare_runs.main([str(a), str(a)]) == 0
 
 
