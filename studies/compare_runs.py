@@ -15,10 +15,16 @@ It names the columns that differ.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
+import sys
 import tarfile
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: studies/ is a package under the repository root
+    sys.path.insert(0, str(ROOT))
+
+from studies.common import log_rows  # noqa: E402
 
 MISSING = "–"
 
@@ -33,25 +39,25 @@ def shard_digests(run: Path) -> dict[int, dict[str, str]]:
     return out
 
 
-def csv_rows(run: Path) -> tuple[dict[int, dict[str, str]], dict[int, dict[str, str]]]:
+def csv_rows(run: Path) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
     """(iteration -> train row, iteration -> evaluation row), each row its non-empty cells; later versions win."""
-    train: dict[int, dict[str, str]] = {}
-    evals: dict[int, dict[str, str]] = {}
-    versions = sorted((run / "csv").glob("version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
-    for path in versions:
-        with path.open() as f:
-            for row in csv.DictReader(f):
-                cells = {k: v for k, v in row.items() if v not in ("", None)}
-                if "eval/iteration" in cells:
-                    evals[int(float(cells["eval/iteration"]))] = {k: v for k, v in cells.items() if k.startswith("eval/")}
-                elif "perf/update_seconds" in cells:
-                    train[int(float(cells["step"]))] = {k: v for k, v in cells.items() if not k.startswith("perf/")}
+    train: dict[int, dict[str, float]] = {}
+    evals: dict[int, dict[str, float]] = {}
+    for row in log_rows(run):
+        if "eval/iteration" in row:
+            evals[int(row["eval/iteration"])] = {k: v for k, v in row.items() if k.startswith("eval/")}
+        elif "perf/update_seconds" in row:
+            train[int(row["step"])] = {k: v for k, v in row.items() if not k.startswith("perf/")}
     return train, evals
 
 
-def differing(a: dict[str, str], b: dict[str, str]) -> list[str]:
-    """The keys whose values differ, or that only one side has."""
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+def differing(a: dict, b: dict) -> list[str]:
+    """The keys whose values differ, or that only one side has (NaN on both sides is the same value: a metric with
+    nothing to average logs NaN in either run)."""
+    def same(x, y) -> bool:
+        return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
+
+    return sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
 
 
 def _cell(a: dict | None, b: dict | None, what: str) -> tuple[str, list[str]]:
@@ -74,7 +80,7 @@ def compare(run_a: Path, run_b: Path) -> tuple[str, bool]:
         parts = [_cell(shards[0].get(it), shards[1].get(it), "episode"), _cell(train_a.get(it), train_b.get(it), "train"),
                  _cell(eval_a.get(it), eval_b.get(it), "eval")]
         agree &= all(cell != "differs" for cell, _ in parts)
-        success = " / ".join(f"{100 * float(e[it]['eval/success']):.0f}%" if it in e and "eval/success" in e[it]
+        success = " / ".join(f"{100 * e[it]['eval/success']:.0f}%" if it in e and "eval/success" in e[it]
                              else MISSING for e in (eval_a, eval_b))
         what = [k for _, keys in parts for k in keys]
         shown = ", ".join(what[:4]) + (f" and {len(what) - 4} more" if len(what) > 4 else "")

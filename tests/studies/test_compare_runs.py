@@ -75,6 +75,8 @@ def test_a_row_that_differs_names_its_columns_and_fails_the_command(compare_runs
     assert compare_runs.main([str(a), str(b), "--out", str(tmp_path / "table")]) == 1
     assert "| 1 | – | differs | differs | 40% / 50% | train: rollout/success, eval: eval/success |" in capsys.readouterr().out
     assert compare_runs.main([str(a), str(a)]) == 0
+    nan = _run(tmp_path / "nan", {}, [[_train(1, "nan", "10")]])  # nothing to average, in both runs
+    assert compare_runs.main([str(nan), str(_run(tmp_path / "nan2", {}, [[_train(1, "nan", "12")]]))]) == 0
 
 
 def test_a_folder_without_a_csv_is_refused_with_the_fix(compare_runs, tmp_path):
